@@ -1,0 +1,1 @@
+"""Command-line tools: ``jddp info`` (later ``launch``, ``bench``); no JAX at import."""

@@ -1,0 +1,58 @@
+"""The ``jddp`` command: ``jddp --version``, ``jddp info``.
+
+Subcommands import JAX only when they run, so that ``jddp launch`` (the parent
+of the worker processes) never starts a JAX backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jddp import _version
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jddp", description="Data-parallel training for JAX.")
+    parser.add_argument("--version", action="version", version=f"jddp {_version.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = sub.add_parser("info", help="print JAX version, backend, devices per process and process count")
+    info.add_argument(
+        "--simulate-devices", type=int, default=None, metavar="N", help="simulate N CPU devices first (for a dry run)"
+    )
+    return parser
+
+
+def info(simulate_devices: int | None = None) -> str:
+    """The environment as jddp sees it, one ``key: value`` per line."""
+    import jax
+
+    from jddp import runtime
+
+    if simulate_devices is not None:
+        runtime.simulate_cpu_devices(simulate_devices)
+    rows = {
+        "jddp": _version.__version__,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+        "global_devices": jax.device_count(),
+        "devices": ", ".join(str(d) for d in jax.local_devices()),
+    }
+    return "\n".join(f"{k}: {v}" for k, v in rows.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        print(info(args.simulate_devices))
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

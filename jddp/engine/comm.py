@@ -1,0 +1,119 @@
+"""Lists the collectives of a compiled program from its optimised HLO text."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+COLLECTIVES = (
+    "all-reduce",
+    "all-reduce-start",
+    "reduce-scatter",
+    "all-gather",
+    "all-gather-start",
+    "all-to-all",
+    "collective-permute",
+    "collective-permute-start",
+)
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented header
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
+
+MSG_CPU_BF16 = (
+    "XLA:CPU widens a bf16 all-reduce to f32: the gradients are rounded to bf16, "
+    "but the bytes moved are those of f32. GPU backends keep bf16 on the wire."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of the compiled program.
+
+    Attributes:
+      op: the HLO op, such as ``"all-reduce"``.
+      computation: the HLO computation holding it (``main...`` for the entry).
+      in_loop: whether it runs inside a while loop (once per iteration).
+      operands: ``(dtype, shape)`` of each operand (XLA combines many leaves into one op).
+      nbytes: bytes of the result, the payload each device contributes.
+    """
+
+    op: str
+    computation: str
+    in_loop: bool
+    operands: tuple[tuple[str, tuple[int, ...]], ...]
+    nbytes: int
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted({d for d, _ in self.operands}))
+
+
+@dataclasses.dataclass(frozen=True)
+class CommReport:
+    """The collectives of a compiled step, as data and as a table (``str(report)``)."""
+
+    collectives: tuple[Collective, ...]
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hlo(cls, hlo_text: str, *, reduce_dtype=None) -> CommReport:
+        """Parses optimised HLO (``compiled.as_text()``)."""
+        computation, found, calls = "", [], {}
+        for line in hlo_text.splitlines():
+            m = _COMPUTATION.match(line)
+            if m and not line[:1].isspace():
+                computation = m.group(1)
+                calls.setdefault(computation, set())
+                continue
+            for group in _CALLS.findall(line):
+                calls.setdefault(computation, set()).update(n.strip().lstrip("%") for n in group.split(","))
+            m = _INSTR.match(line)
+            if m:
+                operands = tuple((d, tuple(int(s) for s in dims.split(",") if s)) for d, dims in _ARRAY.findall(m.group(1)))
+                nbytes = sum(_DTYPE_BYTES.get(d, 4) * int(np.prod(shape, dtype=np.int64)) for d, shape in operands)
+                found.append((m.group(2), computation, operands, nbytes))
+        looped = _loop_computations(hlo_text, calls)
+        collectives = tuple(Collective(op, c, c in looped, ops, nb) for op, c, ops, nb in found)
+        notes = ()
+        if reduce_dtype is not None and np.dtype(reduce_dtype).itemsize < 4:
+            if any(c.op.startswith("all-reduce") and "f32" in c.dtypes for c in collectives):
+                notes = (MSG_CPU_BF16,)
+        return cls(collectives, notes)
+
+    def count(self, op: str = "all-reduce") -> int:
+        """The number of ops named ``op`` (async ``-start`` forms included)."""
+        return sum(c.op in (op, f"{op}-start") for c in self.collectives)
+
+    def nbytes(self, op: str = "all-reduce") -> int:
+        """The bytes moved per device by ops named ``op`` (per execution of each op)."""
+        return sum(c.nbytes for c in self.collectives if c.op in (op, f"{op}-start"))
+
+    def table(self) -> str:
+        rows = [("op", "where", "operands", "dtypes", "bytes")]
+        for c in self.collectives:
+            where = f"{c.computation}{' (loop)' if c.in_loop else ''}"
+            rows.append((c.op, where, str(len(c.operands)), ",".join(c.dtypes), f"{c.nbytes:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(f"total: {len(self.collectives)} collective(s), {sum(c.nbytes for c in self.collectives):,} bytes")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _loop_computations(hlo_text: str, calls: dict[str, set[str]]) -> set[str]:
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    looped, todo = set(), list(bodies)
+    while todo:
+        name = todo.pop()
+        if name not in looped:
+            looped.add(name)
+            todo.extend(calls.get(name, ()))
+    return looped

@@ -1,0 +1,486 @@
+"""`DataParallel`: DDP's training step as one ``jit(shard_map(...))`` program."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jddp import runtime
+from jddp import typing as jt
+from jddp.engine import comm, dispatch, reduce, replicas
+from jddp.engine import state as state_lib
+
+DATA = runtime.DATA_AXIS
+
+MSG_LOSS_OUTPUT = (
+    "`loss_fn` must return `(loss, (new_model_state, metrics))`, where `loss` is a "
+    "scalar mean over the local batch's real examples or a `jddp.Weighted(total, "
+    "weight)`, `new_model_state` is the model state (`{{}}` if none) and `metrics` a "
+    "dict of scalars. It returned {got}."
+)
+
+
+class NonFiniteError(FloatingPointError):
+    """A step produced a non-finite loss or gradient (``nonfinite="raise"``).
+
+    The update was not applied; ``state`` is the state after the skipped step,
+    so a caller can checkpoint it or lower the learning rate and go on.
+    """
+
+    def __init__(self, message: str, state: state_lib.TrainState):
+        super().__init__(message)
+        self.state = state
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    accumulate_steps: int
+    reduce_dtype: Any
+    clip_grad_norm: float | None
+    nonfinite: str
+    donate: bool
+    max_inflight: int
+
+    def __post_init__(self):
+        k = self.accumulate_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"`accumulate_steps` must be an int >= 1, got accumulate_steps={k!r}.")
+        if self.reduce_dtype is not None and not jnp.issubdtype(self.reduce_dtype, jnp.floating):
+            raise ValueError(
+                f"`reduce_dtype` must be a float dtype such as jnp.bfloat16 or None, "
+                f"got reduce_dtype={self.reduce_dtype!r}."
+            )
+        c = self.clip_grad_norm
+        if c is not None and not (isinstance(c, int | float) and c > 0 and np.isfinite(c)):
+            raise ValueError(f"`clip_grad_norm` must be a positive number or None, got clip_grad_norm={c!r}.")
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"`nonfinite` must be 'skip' or 'raise', got nonfinite={self.nonfinite!r}.")
+        m = self.max_inflight
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"`max_inflight` must be an int >= 1, got max_inflight={m!r}.")
+
+
+class DataParallel:
+    """Data-parallel training: PyTorch DDP's design on ``jit(shard_map(...))``.
+
+    Every device holds the whole state; each takes its slice of the global
+    batch, computes local gradients, and one all-reduce sums gradients,
+    loss and metric totals and example counts together. Dividing once by the
+    global count makes the gradient and every metric the exact mean over the
+    real (``mask``-ed) examples of the global batch. Every replica applies the
+    same update, so replicas stay bit-identical.
+
+    Args:
+      loss_fn: ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state,
+        metrics))`` on one device's slice of the batch. ``loss`` is a scalar mean
+        over the slice's real examples (``jddp.masked_mean``) or a
+        ``jddp.Weighted(total, weight)``; metrics are scalars of the same kinds.
+      optimizer: an ``optax.GradientTransformation``.
+      mesh: a mesh with a ``"data"`` axis, usually ``jddp.data_mesh()``.
+      accumulate_steps: micro-batches per step; gradients of the micro-batches
+        are summed locally and all-reduced once (DDP's ``no_sync``).
+      reduce_dtype: dtype of the gradient all-reduce (DDP's bf16 compression
+        hook); ``None`` keeps the gradient dtype.
+      clip_grad_norm: clip the averaged gradient to this global norm.
+      nonfinite: ``"skip"``: a non-finite loss or gradient leaves params,
+        optimizer and model state unchanged on every replica and is counted in
+        ``metrics["nonfinite"]``; ``"raise"``: the same, then
+        ``NonFiniteError`` (costs a host sync per step).
+      donate: donate the input state's buffers to the output state.
+      eval_fn: ``eval_fn(params, model_state, batch) -> metrics`` for
+        ``eval_step``; ``None`` reports ``loss_fn``'s loss and metrics.
+      max_inflight: steps dispatched ahead of the host (see
+        ``jddp.engine.dispatch``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
+      >>> def loss_fn(params, model_state, batch, rng):
+      ...     err = batch["x"] @ params["w"] - batch["y"]
+      ...     return jddp.masked_mean(err**2, batch.get("mask")), (model_state, {})
+      >>> dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+      >>> state = dp.init({"w": np.zeros((3,), np.float32)}, rng=0)
+      >>> batch = {"x": np.ones((16, 3), np.float32), "y": np.ones((16,), np.float32)}
+      >>> state, metrics = dp.step(state, batch)
+      >>> float(metrics["loss"]), int(state.step)
+      (1.0, 1)
+    """
+
+    def __init__(
+        self,
+        loss_fn: jt.LossFn,
+        optimizer: optax.GradientTransformation,
+        *,
+        mesh: Mesh,
+        accumulate_steps: int = 1,
+        reduce_dtype: Any = None,
+        clip_grad_norm: float | None = None,
+        nonfinite: Literal["skip", "raise"] = "skip",
+        donate: bool = True,
+        eval_fn: jt.EvalFn | None = None,
+        max_inflight: int = 2,
+    ):
+        if not callable(loss_fn):
+            raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"`optimizer` must be an optax.GradientTransformation, got {type(optimizer).__name__}."
+            )
+        if not isinstance(mesh, Mesh) or DATA not in mesh.axis_names:
+            raise ValueError(
+                f"`mesh` must be a jax.sharding.Mesh with an axis named {DATA!r}, got {mesh!r}; "
+                "use `jddp.data_mesh()`."
+            )
+        self.options = _Options(accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight)
+        self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
+        self.num_devices = mesh.shape[DATA]
+        self._rep = runtime.replicated(mesh)
+        self._batch = runtime.batch_sharding(mesh)
+        self._checked: tuple | None = None
+        self._step = self._compile(self._local_step, donate=donate)
+        self._eval = self._compile(self._local_eval, donate=False, out_state=False)
+
+    def _compile(self, fn, *, donate: bool, out_state: bool = True):
+        out_specs = (P(), P()) if out_state else P()
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(DATA)), out_specs=out_specs)
+        out_shardings = (self._rep, self._rep) if out_state else self._rep
+        return jax.jit(
+            mapped,
+            in_shardings=(self._rep, self._batch),
+            out_shardings=out_shardings,
+            donate_argnums=(0,) if donate else (),
+        )
+
+    # ----------------------------------------------------------------- init
+
+    def init(
+        self,
+        params: jt.Params,
+        model_state: jt.ModelState = None,
+        rng: jax.Array | int = 0,
+    ) -> state_lib.TrainState:
+        """Builds the replicated ``TrainState``.
+
+        The state is made from host copies of ``params`` and ``model_state``, so
+        donating it later never deletes the caller's arrays.
+
+        Args:
+          params: a pytree of arrays (NumPy or JAX).
+          model_state: non-trainable variables (BatchNorm statistics), or None.
+          rng: a key from ``jax.random.key``/``PRNGKey`` or an int seed.
+
+        Returns:
+          A ``TrainState`` whose leaves are replicated over the mesh.
+
+        Raises:
+          TypeError: if a leaf of ``params`` or ``model_state`` is not an array.
+        """
+        params = _host_copy(params, "params")
+        model_state = _host_copy({} if model_state is None else model_state, "model_state")
+        key = _key_data(rng)
+        put = functools.partial(replicas.put_replicated, sharding=self._rep)
+        params = jax.tree.map(put, params)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self._rep)(params)
+        return state_lib.TrainState(
+            step=put(np.zeros((), np.int32)),
+            params=params,
+            opt_state=opt_state,
+            model_state=jax.tree.map(put, model_state),
+            rng=put(key),
+        )
+
+    # ----------------------------------------------------------------- step
+
+    def step(self, state: state_lib.TrainState, batch: jt.Batch) -> tuple[state_lib.TrainState, dict]:
+        """One training step on a global batch.
+
+        Args:
+          state: from ``init`` or a previous ``step``; donated when ``donate``.
+          batch: a pytree of arrays with leading axis of size ``global_batch_size``
+            (sharded over ``"data"``, or NumPy in a single process); an optional
+            ``batch["mask"]`` of 0/1 marks real examples.
+
+        Returns:
+          ``(new_state, metrics)``; metrics are replicated scalars: ``loss``,
+          ``grad_norm`` (before clipping), ``examples`` (real examples in the
+          global batch), ``nonfinite`` (1 if the update was skipped) and the
+          ``loss_fn``'s metrics, all exact global means.
+
+        Raises:
+          ValueError: for a batch the mesh cannot split or a state from another mesh.
+          NonFiniteError: with ``nonfinite="raise"``, after a skipped update.
+        """
+        self._check_call(state, batch)
+        dispatch.DISPATCHER.before(self._step, self.options.max_inflight)
+        state, metrics = self._step(state, batch)
+        dispatch.DISPATCHER.after(metrics)
+        if self.options.nonfinite == "raise" and bool(metrics["nonfinite"]):
+            step = int(state.step) - 1
+            raise NonFiniteError(
+                f"Non-finite loss or gradient at step={step} (loss={float(metrics['loss'])}, "
+                f"grad_norm={float(metrics['grad_norm'])}); the update was skipped. Use "
+                "`nonfinite='skip'` to go on, or lower the learning rate.",
+                state,
+            )
+        return state, metrics
+
+    def eval_step(self, state: state_lib.TrainState, batch: jt.Batch) -> dict:
+        """Exact global means of the evaluation metrics over the batch's real examples.
+
+        Args:
+          state: a ``TrainState`` (not donated).
+          batch: as for ``step``; pad the last batch and mask the padding.
+
+        Returns:
+          A dict of replicated scalars, plus ``examples``, the real examples counted.
+        """
+        self._check_call(state, batch)
+        dispatch.DISPATCHER.before(self._eval, self.options.max_inflight)
+        metrics = self._eval(state, batch)
+        dispatch.DISPATCHER.after(metrics)
+        return metrics
+
+    def comm_report(self, state: state_lib.TrainState, batch: jt.Batch) -> comm.CommReport:
+        """The collectives of the compiled step: op, operands, dtype, bytes.
+
+        Compiling for the report does not run the step or touch ``state``.
+        """
+        self._check_call(state, batch)
+        compiled = self._step.lower(state, batch).compile()
+        return comm.CommReport.from_hlo(compiled.as_text(), reduce_dtype=self.options.reduce_dtype)
+
+    def assert_replicas_identical(self, state: state_lib.TrainState) -> None:
+        """Raises ``AssertionError`` naming the leaf and device where replicas differ."""
+        dispatch.DISPATCHER.drain()
+        replicas.assert_identical(state)
+
+    # ------------------------------------------------------------ validation
+
+    def _check_call(self, state, batch) -> None:
+        if not isinstance(state, state_lib.TrainState):
+            raise TypeError(f"`state` must be a jddp.TrainState from `init`, got {type(state).__name__}.")
+        sharding = getattr(state.step, "sharding", None)
+        if sharding is not self._rep and sharding != self._rep:
+            raise ValueError(
+                f"`state` lives on another mesh: its sharding is {sharding}, but this DataParallel "
+                f"uses {self._rep}. Build the state with this object's `init`, or restore the "
+                "checkpoint onto this mesh."
+            )
+        leaves, treedef = jax.tree.flatten(batch)
+        signature = (treedef, tuple(np.shape(x) for x in leaves))
+        if signature != self._checked:
+            self._check_batch(batch, leaves)
+            self._checked = signature
+
+    def _check_batch(self, batch, leaves) -> None:
+        if not leaves:
+            raise ValueError("`batch` has no array leaves; pass a dict of arrays with a batch axis.")
+        sizes = {jax.tree_util.keystr(path): np.shape(x)[:1] for path, x in jax.tree.leaves_with_path(batch)}
+        leading = {s[0] if s else None for s in sizes.values()}
+        if len(leading) != 1 or None in leading:
+            raise ValueError(
+                "Every leaf of `batch` must have the same leading (batch) size, got "
+                + ", ".join(f"{k}: {v[0] if v else 'scalar'}" for k, v in sizes.items())
+                + "."
+            )
+        (size,) = leading
+        n, k = self.num_devices, self.options.accumulate_steps
+        if size % (n * k):
+            raise ValueError(
+                f"The global batch size must be divisible by the number of devices times "
+                f"`accumulate_steps`, got global_batch_size={size}, devices={n}, "
+                f"accumulate_steps={k}. Use a global batch size that is a multiple of {n * k}."
+            )
+        if jax.process_count() > 1 and not all(isinstance(x, jax.Array) for x in leaves):
+            raise TypeError(
+                "In a multi-process run every batch leaf must be a global jax.Array; use "
+                "`jddp.data.DataLoader` or `jax.make_array_from_process_local_data`."
+            )
+
+    # --------------------------------------------------------- device code
+
+    def _local_step(self, state: state_lib.TrainState, batch):
+        opts = self.options
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        key = jax.random.fold_in(key, lax.axis_index(DATA))
+        params_v = jax.tree.map(_varying, state.params)
+        if opts.accumulate_steps == 1:
+            grads, model_state, sums = self._local_grads(params_v, state.model_state, batch, key)
+        else:
+            grads, model_state, sums = self._accumulate(params_v, state.model_state, batch, key)
+
+        # The one all-reduce: gradients, loss/metric totals, counts and any
+        # model state still varying, summed together (XLA emits one op).
+        synced, varying_state, unflatten_state = _split_varying(model_state)
+        wire = opts.reduce_dtype
+        grads_wire = grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
+        grads_sum, sums, synced_sum = lax.psum((grads_wire, sums, varying_state), DATA)
+        model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
+
+        loss_w, examples, aux = sums
+        scale = 1.0 / jnp.where(loss_w.weight > 0, loss_w.weight, 1.0)
+        grads = jax.tree.map(lambda s, p: (s.astype(jnp.float32) * scale).astype(p.dtype), grads_sum, state.params)
+        loss = reduce.safe_divide(loss_w.total, loss_w.weight)
+        grad_norm = optax.global_norm(grads)
+        if opts.clip_grad_norm is not None:
+            clip = jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
+            grads = jax.tree.map(lambda g: (g * clip).astype(g.dtype), grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+        new_state = state.replace(
+            step=state.step + 1,
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            model_state=keep(model_state, state.model_state),
+        )
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "examples": examples,
+            "nonfinite": (~finite).astype(jnp.float32),
+            **{k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()},
+        }
+        return new_state, metrics
+
+    def _local_grads(self, params_v, model_state, batch, key):
+        """Local gradient of the loss *total* and the local sums, all varying."""
+        count = reduce.example_count(batch, _leading_size(batch))
+
+        def objective(params):
+            loss, (new_model_state, aux) = _unpack_loss(self.loss_fn(params, model_state, batch, key))
+            loss_w = reduce.as_weighted(loss, count, "The loss returned by `loss_fn`")
+            aux_w = {k: reduce.as_weighted(v, count, f"Metric {k!r} returned by `loss_fn`") for k, v in aux.items()}
+            return loss_w.total, (loss_w, new_model_state, aux_w)
+
+        (_, (loss_w, new_model_state, aux_w)), grads = jax.value_and_grad(objective, has_aux=True)(params_v)
+        sums = (loss_w, count, aux_w)
+        return grads, new_model_state, jax.tree.map(_varying, sums)
+
+    def _accumulate(self, params_v, model_state, batch, key):
+        """Sums local gradients over micro-batches in a scan: no collective inside."""
+        k = self.options.accumulate_steps
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        first = jax.tree.map(lambda x: x[0], micro)
+        model_state = jax.tree.map(_varying, model_state)
+        shapes = jax.eval_shape(self._local_grads, params_v, model_state, first, key)
+        zeros = jax.tree.map(lambda s: _varying(jnp.zeros(s.shape, s.dtype)), (shapes[0], shapes[2]))
+
+        def body(carry, xs):
+            grads_acc, ms, sums_acc = carry
+            mb, i = xs
+            g, ms, s = self._local_grads(params_v, ms, mb, jax.random.fold_in(key, i))
+            add = functools.partial(jax.tree.map, jnp.add)
+            return (add(grads_acc, g), jax.tree.map(_varying, ms), add(sums_acc, s)), None
+
+        init = (zeros[0], model_state, zeros[1])
+        (grads, model_state, sums), _ = lax.scan(body, init, (micro, jnp.arange(k)))
+        return grads, model_state, sums
+
+    def _local_eval(self, state: state_lib.TrainState, batch):
+        count = reduce.example_count(batch, _leading_size(batch))
+        if self.eval_fn is None:
+            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), lax.axis_index(DATA))
+            loss, (_, aux) = _unpack_loss(self.loss_fn(state.params, state.model_state, batch, key))
+            metrics = {"loss": loss, **aux}
+        else:
+            metrics = self.eval_fn(state.params, state.model_state, batch)
+        if not isinstance(metrics, dict):
+            raise TypeError(f"`eval_fn` must return a dict of scalars, got {type(metrics).__name__}.")
+        sums = {k: reduce.as_weighted(v, count, f"Metric {k!r}") for k, v in metrics.items()}
+        sums, examples = lax.psum((jax.tree.map(_varying, sums), _varying(count)), DATA)
+        return {**{k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}, "examples": examples}
+
+
+# --------------------------------------------------------------- helpers
+
+
+def _vma(x) -> frozenset:
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    return frozenset(vma if vma is not None else aval.mat.varying)
+
+
+def _varying(x):
+    """``x`` cast to varying over ``"data"`` (no-op when it already is)."""
+    return x if DATA in _vma(x) else lax.pcast(x, DATA, to="varying")
+
+
+def _split_varying(tree):
+    """Splits a pytree's leaves into (all leaves, varying float leaves, rebuild)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if DATA in _vma(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    for i, x in enumerate(leaves):
+        if DATA in _vma(x) and i not in idx:
+            raise ValueError(
+                f"Model state leaf {i} (dtype={x.dtype}) differs across devices and is not a "
+                "float, so it cannot be averaged; compute it from replicated values."
+            )
+
+    def rebuild(all_leaves, averaged):
+        out = list(all_leaves)
+        for i, x in zip(idx, averaged, strict=True):
+            out[i] = x.astype(all_leaves[i].dtype)
+        return jax.tree.unflatten(treedef, out)
+
+    return leaves, [leaves[i] for i in idx], rebuild
+
+
+def _unpack_loss(out):
+    try:
+        loss, (model_state, metrics) = out
+    except (TypeError, ValueError):
+        raise TypeError(MSG_LOSS_OUTPUT.format(got=_describe(out))) from None
+    if not isinstance(metrics, dict):
+        raise TypeError(MSG_LOSS_OUTPUT.format(got=f"metrics of type {type(metrics).__name__}"))
+    return loss, (model_state, metrics)
+
+
+def _describe(x) -> str:
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)}"
+    return f"{type(x).__name__} {getattr(x, 'shape', '')}".strip()
+
+
+def _leading_size(batch) -> int:
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
+def _host_copy(tree, what: str):
+    """A NumPy copy of every leaf, or ``TypeError`` naming the first non-array leaf."""
+
+    def copy(path, x):
+        if not isinstance(x, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"Every leaf of `{what}` must be an array, but {what}{jax.tree_util.keystr(path)} "
+                f"is {type(x).__name__} ({x!r:.60}). Convert it with `jnp.asarray` or keep it "
+                "out of the pytree (in the model or a closure)."
+            )
+        return np.array(jax.device_get(x), copy=True)
+
+    return jax.tree_util.tree_map_with_path(copy, tree)
+
+
+def _key_data(rng) -> np.ndarray:
+    if isinstance(rng, int) and not isinstance(rng, bool):
+        rng = jax.random.key(rng)
+    if not isinstance(rng, jax.Array | np.ndarray):
+        raise TypeError(f"`rng` must be a JAX PRNG key or an int seed, got {type(rng).__name__}.")
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    data = np.array(jax.device_get(rng), copy=True)
+    if data.dtype != np.uint32 or data.shape != (2,):
+        raise ValueError(
+            f"`rng` must be a threefry key (uint32[2] key data), got dtype={data.dtype}, shape={data.shape}."
+        )
+    return data

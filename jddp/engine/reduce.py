@@ -1,0 +1,91 @@
+"""Exact weighted means across devices.
+
+A loss or metric reaches the engine in one of two forms:
+
+* a scalar: the mean over the local batch's real examples. The engine weights
+  it by their count, ``sum(batch["mask"])`` (the local batch size when there is
+  no mask);
+* ``Weighted(total, weight)``: a sum and what it is a sum over (tokens, pixels).
+
+Either way the engine ``psum``\\ s the totals and the weights and divides once,
+so the result is the exact global mean however examples are spread over
+devices (DDP's average of per-device averages is not, for uneven batches).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Weighted(NamedTuple):
+    """A sum and its weight; the engine reports ``psum(total) / psum(weight)``.
+
+    Example:
+      >>> import jax.numpy as jnp, jddp
+      >>> per_token = jnp.array([1.0, 2.0, 3.0]); mask = jnp.array([1.0, 1.0, 0.0])
+      >>> w = jddp.Weighted(jnp.sum(per_token * mask), jnp.sum(mask))
+      >>> float(w.total / w.weight)
+      1.5
+    """
+
+    total: jax.Array
+    weight: jax.Array
+
+
+def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """The mean of ``values`` over the examples where ``mask`` is non-zero.
+
+    Args:
+      values: per-example values, leading axis the batch; further axes are
+        averaged too.
+      mask: ``[batch]`` of 0/1 (or weights), or ``None`` for all ones.
+
+    Returns:
+      A scalar; 0 (not NaN) when the mask is all zeros, so that a device whose
+      examples are all padding contributes nothing.
+
+    Example:
+      >>> import jax.numpy as jnp, jddp
+      >>> float(jddp.masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([1, 1, 0])))
+      1.5
+    """
+    values = jnp.asarray(values)
+    if mask is None:
+        return jnp.mean(values)
+    mask = jnp.asarray(mask, values.dtype)
+    per_example = values.reshape(values.shape[0], -1).mean(axis=1)
+    return jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def example_count(batch, batch_size: int) -> jax.Array:
+    """The number of real examples of a local batch: ``sum(batch["mask"])``."""
+    if isinstance(batch, dict) and "mask" in batch:
+        return jnp.sum(jnp.asarray(batch["mask"], jnp.float32))
+    return jnp.float32(batch_size)
+
+
+def as_weighted(value, count: jax.Array, what: str) -> Weighted:
+    """``value`` (a scalar mean or a ``Weighted``) as a float32 ``Weighted``."""
+    if isinstance(value, Weighted):
+        total, weight = jnp.asarray(value.total), jnp.asarray(value.weight)
+    else:
+        total, weight = None, count
+    for name, x in (("value", value if total is None else total), ("weight", weight)):
+        shape = jnp.shape(x)
+        if shape != ():
+            raise ValueError(
+                f"{what} must be a scalar (or `jddp.Weighted` of scalars), but its {name} "
+                f"has shape={shape}. Reduce it over the batch inside `loss_fn`, for "
+                "example with `jddp.masked_mean(per_example, batch.get('mask'))`."
+            )
+    if total is None:
+        total = jnp.asarray(value, jnp.float32) * count
+    return Weighted(total.astype(jnp.float32), weight.astype(jnp.float32))
+
+
+def safe_divide(total: jax.Array, weight: jax.Array) -> jax.Array:
+    """``total / weight``, 0 where ``weight`` is 0."""
+    return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1), 0.0)
