@@ -329,7 +329,7 @@ class DataParallel:
         scale = 1.0 / jnp.where(loss_w.weight > 0, loss_w.weight, 1.0)
         grads = jax.tree.map(lambda s, p: (s.astype(jnp.float32) * scale).astype(p.dtype), grads_sum, state.params)
         loss = reduce.safe_divide(loss_w.total, loss_w.weight)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if opts.clip_grad_norm is not None:
             clip = jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
             grads = jax.tree.map(lambda g: (g * clip).astype(g.dtype), grads)

@@ -1,0 +1,143 @@
+"""Small models of the three kinds jddp trains, each with a single-device twin.
+
+Every factory returns a ``Model``: jddp's ``loss_fn`` (SyncBatchNorm over
+``"data"`` where the model has BatchNorm), the same loss for one device on the
+whole global batch (``ref_loss_fn``, no axis name), initial params and model
+state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jddp
+from jddp import models
+
+IN, HIDDEN, OUT = 12, 16, 4
+
+
+@dataclasses.dataclass
+class Model:
+    loss_fn: Callable
+    ref_loss_fn: Callable
+    params: Any
+    model_state: Any
+
+
+def batch(n: int, seed: int = 0, mask: np.ndarray | None = None) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {"x": rng.normal(size=(n, IN)).astype(np.float32), "y": rng.integers(0, OUT, size=(n,)).astype(np.int32)}
+    if mask is not None:
+        out["mask"] = np.asarray(mask, np.float32)
+    return out
+
+
+def classification(logits, batch):
+    mask = batch.get("mask")
+    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+    accuracy = jddp.masked_mean((jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32), mask)
+    return loss, {"accuracy": accuracy}
+
+
+def pytree() -> Model:
+    rng = np.random.default_rng(1)
+    params = {
+        "w1": (rng.normal(size=(IN, HIDDEN)) / np.sqrt(IN)).astype(np.float32),
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": (rng.normal(size=(HIDDEN, OUT)) / np.sqrt(HIDDEN)).astype(np.float32),
+        "b2": np.zeros(OUT, np.float32),
+    }
+
+    def loss_fn(params, model_state, batch, rng):
+        h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+        loss, metrics = classification(h @ params["w2"] + params["b2"][None, :], batch)
+        return loss, (model_state, metrics)
+
+    return Model(loss_fn, loss_fn, params, {})
+
+
+class LinenMLP(nn.Module):
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(HIDDEN)(x)
+        x = nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name=self.axis_name)(x)
+        return nn.Dense(OUT)(nn.relu(x))
+
+
+def linen() -> Model:
+    variables = LinenMLP().init(jax.random.key(2), np.zeros((1, IN), np.float32))
+    params, model_state = models.linen_split(variables)
+
+    def fn(apply, batch, rng):
+        return classification(apply(batch["x"]), batch)
+
+    loss_fn = models.linen_loss(LinenMLP(axis_name=jddp.DATA_AXIS), fn)
+    return Model(loss_fn, models.linen_loss(LinenMLP(), fn), params, model_state)
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, axis_name: str | None, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(IN, HIDDEN, rngs=rngs)
+        self.bn = nnx.BatchNorm(HIDDEN, momentum=0.9, axis_name=axis_name, rngs=rngs)
+        self.l2 = nnx.Linear(HIDDEN, OUT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.bn(self.l1(x))))
+
+
+def nnx_model() -> Model:
+    graphdef, params, model_state = models.nnx_split(NNXMLP(jddp.DATA_AXIS, nnx.Rngs(3)))
+    ref_graphdef, _, _ = models.nnx_split(NNXMLP(None, nnx.Rngs(3)))
+
+    def fn(model, batch, rng):
+        return classification(model(batch["x"]), batch)
+
+    return Model(models.nnx_loss(graphdef, fn), models.nnx_loss(ref_graphdef, fn), params, model_state)
+
+
+FACTORIES = {"pytree": pytree, "linen": linen, "nnx": nnx_model}
+
+
+def reference_sgd(model: Model, batches: list[dict], lr: float):
+    """Plain SGD on one device over whole global batches: the independent reference."""
+
+    @jax.jit
+    def step(params, model_state, batch):
+        grad_fn = jax.value_and_grad(model.ref_loss_fn, has_aux=True)
+        (loss, (model_state, _)), grads = grad_fn(params, model_state, batch, jax.random.key(0))
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), model_state, loss
+
+    params, model_state = model.params, model.model_state
+    for b in batches:
+        params, model_state, _ = step(params, model_state, b)
+    return params, model_state
+
+
+def pmap_sgd(model: Model, batches: list[dict], lr: float, n: int):
+    """The classic ``jax.pmap`` formulation: per-device grads, ``pmean``, SGD."""
+
+    def step(params, model_state, batch):
+        grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+        (_, (model_state, _)), grads = grad_fn(params, model_state, batch, jax.random.key(0))
+        grads = jax.lax.pmean(grads, jddp.DATA_AXIS)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), model_state
+
+    pstep = jax.pmap(step, axis_name=jddp.DATA_AXIS, devices=jax.devices()[:n])
+    stack = lambda t: jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), t)
+    params, model_state = stack(model.params), stack(model.model_state)
+    for b in batches:
+        split = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), b)
+        params, model_state = pstep(params, model_state, split)
+        jax.block_until_ready(params)
+    return jax.tree.map(lambda x: np.asarray(x[0]), params), jax.tree.map(lambda x: np.asarray(x[0]), model_state)

@@ -1,0 +1,326 @@
+"""DataParallel against independent references: one device, jax.pmap, NumPy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp.engine import dispatch
+from tests import models
+
+N = 8
+LR = 0.1
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if jax.device_count() < N:
+        pytest.skip(f"needs {N} devices")
+    return jddp.data_mesh()
+
+
+def max_diff(a, b) -> float:
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max([0.0] + [float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in pairs])
+
+
+def train(dp, model, batches):
+    state = dp.init(model.params, model.model_state, rng=0)
+    for b in batches:
+        state, metrics = dp.step(state, b)
+    dispatch.DISPATCHER.drain()
+    return state, metrics
+
+
+@pytest.mark.parametrize("kind", list(models.FACTORIES), ids=list(models.FACTORIES))
+def test_equivalence_to_one_device_and_pmap(mesh, kind):
+    model = models.FACTORIES[kind]()
+    batches = [models.batch(64, seed) for seed in range(5)]
+    state, _ = train(jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh), model, batches)
+    ref_params, ref_state = models.reference_sgd(model, batches, LR)
+    pmap_params, pmap_state = models.pmap_sgd(model, batches, LR, N)
+    assert max_diff(model.params, ref_params) > 1e-2  # training moved the parameters
+    assert max_diff(state.params, ref_params) < 1e-6
+    assert max_diff(state.params, pmap_params) < 1e-6
+    # BatchNorm statistics (linen, nnx): synchronised, so equal to the full-batch ones.
+    assert max_diff(state.model_state, ref_state) < 1e-6
+    assert max_diff(state.model_state, pmap_state) < 1e-6
+
+
+def test_gradient_is_not_summed_over_devices(mesh):
+    """The gradient trap: without the varying cast the update is N times too large."""
+    model = models.pytree()
+    b = models.batch(64)
+    state, _ = train(jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh), model, [b])
+    grads = jax.grad(lambda p: model.loss_fn(p, {}, b, None)[0])(model.params)
+    expected = jax.tree.map(lambda p, g: p - g, model.params, grads)
+    too_large = jax.tree.map(lambda p, g: p - N * g, model.params, grads)
+    assert max_diff(state.params, expected) < 1e-6
+    assert max_diff(state.params, too_large) > 1e-2
+
+
+def test_accumulate_steps_equals_whole_batch(mesh):
+    model = models.pytree()
+    batches = [models.batch(64, seed) for seed in range(3)]
+    whole, _ = train(jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh), model, batches)
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh, accumulate_steps=4)
+    accumulated, metrics = train(dp, model, batches)
+    assert max_diff(whole.params, accumulated.params) < 1e-6
+    report = dp.comm_report(accumulated, batches[0])
+    assert report.count("all-reduce") == 1
+    (allreduce,) = report.collectives
+    assert not allreduce.in_loop
+
+
+def test_accumulate_with_uneven_masks_is_exact(mesh):
+    model = models.pytree()
+    mask = np.zeros(64, np.float32)
+    mask[[0, 1, 2, 9, 30, 31, 40, 41, 42, 43, 44, 63]] = 1
+    b = models.batch(64, mask=mask)
+    whole, m1 = train(jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh), model, [b])
+    acc, m4 = train(jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh, accumulate_steps=2), model, [b])
+    assert max_diff(whole.params, acc.params) < 1e-6
+    assert abs(float(m1["loss"]) - float(m4["loss"])) < 1e-6
+
+
+def test_uneven_masks_give_exact_global_mean(mesh):
+    model = models.pytree()
+    # 8 devices x 8 rows: device 0 full, device 1 empty, the rest uneven.
+    real = [8, 0, 3, 1, 5, 8, 2, 7]
+    mask = np.concatenate([np.arange(8) < r for r in real]).astype(np.float32)
+    b = models.batch(64, seed=4, mask=mask)
+    state, metrics = train(jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh), model, [b])
+
+    real_rows = {k: v[mask == 1] for k, v in b.items() if k != "mask"}
+    loss, grads = jax.value_and_grad(lambda p: model.loss_fn(p, {}, real_rows, None)[0])(model.params)
+    expected = jax.tree.map(lambda p, g: p - g, model.params, grads)
+    assert max_diff(state.params, expected) < 1e-6
+    assert metrics["examples"] == mask.sum()
+    assert abs(float(metrics["loss"]) - float(loss)) < 1e-6
+    logits = np.tanh(real_rows["x"] @ model.params["w1"]) @ model.params["w2"]
+    accuracy = np.mean(np.argmax(logits, -1) == real_rows["y"])
+    assert abs(float(metrics["accuracy"]) - accuracy) < 1e-6
+    # DDP's average of per-device averages is measurably different here.
+    local = [jax.tree.map(lambda x, i=i: x[8 * i : 8 * i + 8], b) for i in range(N) if real[i]]
+    naive = np.mean([float(model.loss_fn(model.params, {}, lb, None)[0]) for lb in local])
+    assert abs(naive - float(loss)) > 1e-3
+
+
+def test_weighted_loss_is_exact(mesh):
+    """A `jddp.Weighted` loss (a sum over tokens) gives the global per-token mean."""
+    rng = np.random.default_rng(0)
+    tokens = rng.normal(size=(32, 6)).astype(np.float32)
+    lengths = rng.integers(0, 7, size=32)
+    valid = (np.arange(6)[None, :] < lengths[:, None]).astype(np.float32)
+
+    def loss_fn(params, model_state, batch, rng):
+        per_token = (batch["t"] * params["w"] - 1.0) ** 2 * batch["valid"]
+        return jddp.Weighted(per_token.sum(), batch["valid"].sum()), (model_state, {})
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(1.0), mesh=mesh)
+    state = dp.init({"w": np.float32(0.5)})
+    state, metrics = dp.step(state, {"t": tokens, "valid": valid})
+    w = 0.5
+    expected_loss = np.sum((tokens * w - 1) ** 2 * valid) / valid.sum()
+    expected_grad = np.sum(2 * (tokens * w - 1) * tokens * valid) / valid.sum()
+    assert abs(float(metrics["loss"]) - expected_loss) < 1e-5
+    assert abs(float(state.params["w"]) - (w - expected_grad)) < 1e-6
+
+
+def test_batchnorm_statistics_equal_full_batch(mesh):
+    model = models.nnx_model()
+    b = models.batch(64, seed=7)
+    state, _ = train(jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh), model, [b])
+    pre = b["x"] @ np.asarray(model.params["l1"]["kernel"]) + np.asarray(model.params["l1"]["bias"])
+    bn = state.model_state["bn"]
+    np.testing.assert_allclose(np.asarray(bn["mean"]), 0.1 * pre.mean(0), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(bn["var"]), 0.9 + 0.1 * pre.var(0), atol=1e-6)
+    jddp.engine.replicas.assert_identical(state.model_state)
+
+
+def test_unsynchronised_model_state_is_averaged(mesh):
+    """Model state computed per device (no axis name) is averaged over replicas."""
+
+    def loss_fn(params, model_state, batch, rng):
+        return jnp.mean((batch["x"] * params["w"]) ** 2), ({"m": jnp.mean(batch["x"])}, {})
+
+    x = np.arange(64, dtype=np.float32)
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.0), mesh=mesh)
+    state, _ = dp.step(dp.init({"w": np.float32(1)}, {"m": np.float32(0)}), {"x": x})
+    assert float(state.model_state["m"]) == pytest.approx(x.mean())
+
+
+def test_replicas_bit_identical_after_10_steps(mesh):
+    model = models.nnx_model()
+    dp = jddp.DataParallel(model.loss_fn, optax.adamw(1e-2), mesh=mesh, clip_grad_norm=1.0)
+    state, _ = train(dp, model, [models.batch(64, s) for s in range(10)])
+    assert int(state.step) == 10
+    for leaf in jax.tree.leaves(state):
+        shards = [np.asarray(s.data).tobytes() for s in leaf.addressable_shards]
+        assert len(shards) == N and len(set(shards)) == 1
+    dp.assert_replicas_identical(state)
+
+
+def test_replica_check_detects_a_difference(mesh):
+    devices = mesh.devices.tolist()
+    parts = [jax.device_put(np.float32(1.0 if i != 5 else 1.0 + 1e-7), d) for i, d in enumerate(devices)]
+    leaf = jax.make_array_from_single_device_arrays((), jddp.replicated(mesh), parts)
+    with pytest.raises(AssertionError, match=r"Replicas differ at state\['w'\]: device .*5"):
+        jddp.engine.replicas.assert_identical({"w": leaf})
+
+
+def test_rng_differs_per_device_and_step(mesh):
+    def loss_fn(params, model_state, batch, rng):
+        u = jax.random.uniform(rng)
+        return jnp.mean(batch["x"]) * params["w"], (model_state, {"u": u, "u2": u * u})
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.0), mesh=mesh)
+    state = dp.init({"w": np.float32(1)}, rng=jax.random.key(42))
+    base = jax.random.key(42)
+    expected = []
+    for step in range(2):
+        us = [float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(base, step), d))) for d in range(N)]
+        expected.append(np.mean(us))
+        assert len(set(us)) == N
+    got = []
+    for _ in range(2):
+        state, metrics = dp.step(state, {"x": np.ones(16, np.float32)})
+        got.append(float(metrics["u"]))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_clip_grad_norm_after_averaging(mesh):
+    model = models.pytree()
+    b = models.batch(64)
+    state, metrics = train(jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh, clip_grad_norm=0.01), model, [b])
+    grads = jax.grad(lambda p: model.loss_fn(p, {}, b, None)[0])(model.params)
+    norm = float(optax.tree.norm(grads))
+    assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-5)
+    assert norm > 0.01
+    expected = jax.tree.map(lambda p, g: p - g * (0.01 / norm), model.params, grads)
+    assert max_diff(state.params, expected) < 1e-6
+
+
+def nan_loss_fn(params, model_state, batch, rng):
+    loss = jnp.mean((batch["x"] * params["w"]) ** 2) / batch["scale"][0]
+    return loss, ({"seen": model_state["seen"] + 1.0}, {})
+
+
+def test_nonfinite_step_is_skipped_on_every_replica(mesh):
+    dp = jddp.DataParallel(nan_loss_fn, optax.adam(0.1), mesh=mesh)
+    state = dp.init({"w": np.float32(2)}, {"seen": np.float32(0)})
+    ok = {"x": np.ones(16, np.float32), "scale": np.ones(16, np.float32)}
+    bad = {"x": np.ones(16, np.float32), "scale": np.zeros(16, np.float32)}
+    state, m = dp.step(state, ok)
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state, state.model_state))
+    state, m = dp.step(state, bad)
+    assert float(m["nonfinite"]) == 1.0 and int(state.step) == 2
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state, state.model_state))
+    assert max_diff(before, after) == 0.0
+    dp.assert_replicas_identical(state)
+    state, m = dp.step(state, ok)
+    assert float(m["nonfinite"]) == 0.0 and float(state.model_state["seen"]) == 2.0
+
+
+def test_nonfinite_raise_names_the_step(mesh):
+    dp = jddp.DataParallel(nan_loss_fn, optax.sgd(0.1), mesh=mesh, nonfinite="raise")
+    state = dp.init({"w": np.float32(2)}, {"seen": np.float32(0)})
+    bad = {"x": np.ones(16, np.float32), "scale": np.zeros(16, np.float32)}
+    with pytest.raises(jddp.NonFiniteError, match=r"step=0 .*update was skipped") as info:
+        dp.step(state, bad)
+    assert float(info.value.state.params["w"]) == 2.0
+
+
+def test_bf16_reduce_rounds_gradients(mesh):
+    model = models.pytree()
+    b = models.batch(64)
+    f32, _ = train(jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh), model, [b])
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh, reduce_dtype=jnp.bfloat16)
+    bf16, _ = train(dp, model, [b])
+    diff = max_diff(f32.params, bf16.params)
+    assert 1e-7 < diff < 1e-2
+    report = dp.comm_report(bf16, b)
+    assert report.count("all-reduce") == 1
+    if jax.default_backend() == "cpu":
+        assert "widens a bf16 all-reduce to f32" in str(report)
+
+
+def test_comm_report_moves_exactly_the_gradient_bytes(mesh):
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh)
+    state = dp.init(model.params)
+    report = dp.comm_report(state, models.batch(64))
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    assert report.count("all-reduce") == 1 and len(report.collectives) == 1
+    (allreduce,) = report.collectives
+    arrays = [(d, s) for d, s in allreduce.operands if s]
+    scalars = [(d, s) for d, s in allreduce.operands if not s]
+    assert sorted(s for _, s in arrays) == sorted(np.shape(x) for x in jax.tree.leaves(model.params))
+    assert all(d == "f32" for d, _ in allreduce.operands)
+    assert allreduce.nbytes == grad_bytes + 4 * len(scalars) and len(scalars) <= 6
+    table = str(report)
+    assert "all-reduce" in table and f"{allreduce.nbytes:,}" in table
+
+
+def test_second_step_does_not_recompile(mesh):
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh)
+    state = dp.init(model.params)
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state, _ = dp.step(state, models.batch(64, 0))
+        first = len(compiles)
+        for seed in range(1, 4):
+            state, _ = dp.step(state, models.batch(64, seed))
+        jax.block_until_ready(state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert first >= 1 and len(compiles) == first
+
+
+def test_state_is_donated_and_caller_arrays_survive(mesh):
+    model = models.pytree()
+    params = jax.tree.map(jnp.asarray, model.params)
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh)
+    state = dp.init(params)
+    old_w1 = state.params["w1"]
+    new_state, _ = dp.step(state, models.batch(64))
+    jax.block_until_ready(new_state)
+    assert old_w1.is_deleted()
+    np.testing.assert_array_equal(np.asarray(params["w1"]), model.params["w1"])
+
+
+def test_eval_step_exact_over_padded_batch(mesh):
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh)
+    state = dp.init(model.params)
+    data = models.batch(50, seed=9)
+    padded = {k: np.concatenate([v, v[:14]]) for k, v in data.items()}
+    padded["mask"] = (np.arange(64) < 50).astype(np.float32)
+    metrics = dp.eval_step(state, padded)
+    loss, (_, aux) = model.loss_fn(model.params, {}, data, None)
+    assert float(metrics["examples"]) == 50
+    assert abs(float(metrics["loss"]) - float(loss)) < 1e-6
+    assert abs(float(metrics["accuracy"]) - float(aux["accuracy"])) < 1e-6
+    # Switching between step and eval_step (two collective programs) does not deadlock.
+    for _ in range(3):
+        state, _ = dp.step(state, padded)
+        metrics = dp.eval_step(state, padded)
+    assert float(metrics["examples"]) == 50
+
+
+def test_many_steps_in_flight_do_not_deadlock(mesh):
+    """Hundreds of undrained dispatches abort XLA:CPU; the dispatcher bounds them."""
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(1e-3), mesh=mesh)
+    state = dp.init(model.params)
+    b = jax.device_put(models.batch(64), jddp.batch_sharding(mesh))
+    for _ in range(400):
+        state, metrics = dp.step(state, b)
+    assert int(state.step) == 400
