@@ -1,0 +1,129 @@
+"""Bad input: clear errors naming the value and the fix, raised before any state changes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def setup():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+    return model, dp
+
+
+def assert_state_intact(dp, state, model):
+    """The failed call changed nothing: the state is alive and still steps."""
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+    np.testing.assert_array_equal(np.asarray(state.params["w1"]), model.params["w1"])
+    step = int(state.step)
+    new_state, _ = dp.step(state, models.batch(64))
+    assert int(new_state.step) == step + 1
+
+
+def test_batch_not_divisible_by_devices(setup):
+    model, dp = setup
+    state = dp.init(model.params)
+    with pytest.raises(ValueError, match=r"global_batch_size=60, devices=8, accumulate_steps=1.*multiple of 8"):
+        dp.step(state, models.batch(60))
+    assert_state_intact(dp, state, model)
+
+
+def test_batch_not_divisible_with_accumulation(setup):
+    model, _ = setup
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(), accumulate_steps=3)
+    state = dp.init(model.params)
+    with pytest.raises(ValueError, match=r"global_batch_size=64, devices=8, accumulate_steps=3.*multiple of 24"):
+        dp.step(state, models.batch(64))
+
+
+def test_batch_leaves_with_different_leading_sizes(setup):
+    model, dp = setup
+    state = dp.init(model.params)
+    b = models.batch(64)
+    b["y"] = b["y"][:32]
+    with pytest.raises(ValueError, match=r"same leading \(batch\) size.*\['x'\]: 64.*\['y'\]: 32"):
+        dp.step(state, b)
+    assert_state_intact(dp, state, model)
+
+
+def test_non_scalar_loss(setup):
+    model, _ = setup
+
+    def loss_fn(params, model_state, batch, rng):
+        return (batch["x"] @ params["w1"]).sum(-1), (model_state, {})
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+    state = dp.init(model.params)
+    with pytest.raises(ValueError, match=r"loss returned by `loss_fn` must be a scalar.*shape=\(8,\).*masked_mean"):
+        dp.step(state, models.batch(64))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_loss_fn_with_wrong_output_structure(setup):
+    model, _ = setup
+    dp = jddp.DataParallel(lambda p, s, b, r: jnp.sum(b["x"]), optax.sgd(0.1), mesh=jddp.data_mesh())
+    with pytest.raises(TypeError, match=r"must return `\(loss, \(new_model_state, metrics\)\)`"):
+        dp.step(dp.init(model.params), models.batch(64))
+
+
+def test_non_array_leaf_in_params(setup):
+    _, dp = setup
+    with pytest.raises(TypeError, match=r"params\['act'\] is str \('relu'\).*jnp.asarray"):
+        dp.init({"w": np.ones(3, np.float32), "act": "relu"})
+    with pytest.raises(TypeError, match=r"model_state\['n'\] is float"):
+        dp.init({"w": np.ones(3, np.float32)}, {"n": 1.0})
+
+
+def test_state_from_another_mesh(setup):
+    model, dp = setup
+    other = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(jax.devices()[:4]))
+    state = other.init(model.params)
+    with pytest.raises(ValueError, match=r"`state` lives on another mesh.*restore the checkpoint onto this mesh"):
+        dp.step(state, models.batch(64))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_not_a_train_state(setup):
+    model, dp = setup
+    with pytest.raises(TypeError, match=r"`state` must be a jddp.TrainState from `init`, got dict"):
+        dp.step({"params": model.params}, models.batch(64))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulate_steps": 0}, r"accumulate_steps=0"),
+        ({"reduce_dtype": jnp.int8}, r"reduce_dtype="),
+        ({"clip_grad_norm": -1.0}, r"clip_grad_norm=-1.0"),
+        ({"nonfinite": "ignore"}, r"nonfinite='ignore'"),
+        ({"max_inflight": 0}, r"max_inflight=0"),
+    ],
+    ids=["accumulate", "reduce_dtype", "clip", "nonfinite", "inflight"],
+)
+def test_bad_options(setup, kwargs, match):
+    model, _ = setup
+    with pytest.raises(ValueError, match=match):
+        jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(), **kwargs)
+
+
+def test_mesh_without_data_axis(setup):
+    model, _ = setup
+    mesh = jax.make_mesh((8,), ("batch",))
+    with pytest.raises(ValueError, match=r"axis named 'data'.*jddp.data_mesh\(\)"):
+        jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=mesh)
+
+
+def test_bad_rng(setup):
+    model, dp = setup
+    with pytest.raises(TypeError, match=r"`rng` must be a JAX PRNG key or an int seed, got str"):
+        dp.init(model.params, rng="seed")
