@@ -324,3 +324,27 @@ def test_many_steps_in_flight_do_not_deadlock(mesh):
     for _ in range(400):
         state, metrics = dp.step(state, b)
     assert int(state.step) == 400
+
+
+def test_nonfinite_ignore_applies_the_update(mesh):
+    dp = jddp.DataParallel(nan_loss_fn, optax.sgd(0.1), mesh=mesh, nonfinite="ignore")
+    state = dp.init({"w": np.float32(2)}, {"seen": np.float32(0)})
+    state, metrics = dp.step(state, {"x": np.ones(16, np.float32), "scale": np.zeros(16, np.float32)})
+    assert "nonfinite" not in metrics and "grad_norm" not in metrics
+    assert not np.isfinite(float(state.params["w"]))
+
+
+def test_metrics_are_read_once_and_name_clashes_raise(mesh):
+    def loss_fn(params, model_state, batch, rng):
+        return jnp.mean(batch["x"]) * params["w"], (model_state, {"examples": jnp.float32(1)})
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh)
+    with pytest.raises(ValueError, match=r"Metric names \['examples'\] are reserved"):
+        dp.step(dp.init({"w": np.float32(1)}), {"x": np.ones(8, np.float32)})
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=mesh)
+    _, metrics = dp.step(dp.init(model.params), models.batch(64))
+    assert list(metrics) == ["loss", "examples", "grad_norm", "nonfinite", "accuracy"]
+    assert isinstance(metrics["loss"], float) and metrics.packed.shape == (5,)
+    with pytest.raises(KeyError, match=r"No metric 'acc'; the metrics are"):
+        metrics["acc"]

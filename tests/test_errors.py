@@ -105,7 +105,7 @@ def test_not_a_train_state(setup):
         ({"accumulate_steps": 0}, r"accumulate_steps=0"),
         ({"reduce_dtype": jnp.int8}, r"reduce_dtype="),
         ({"clip_grad_norm": -1.0}, r"clip_grad_norm=-1.0"),
-        ({"nonfinite": "ignore"}, r"nonfinite='ignore'"),
+        ({"nonfinite": "warn"}, r"nonfinite=.warn."),
         ({"max_inflight": 0}, r"max_inflight=0"),
     ],
     ids=["accumulate", "reduce_dtype", "clip", "nonfinite", "inflight"],

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jddp import runtime
 from jddp import typing as jt
 from jddp.engine import comm, dispatch, reduce, replicas
+from jddp.engine import metrics as metrics_lib
 from jddp.engine import state as state_lib
 
 DATA = runtime.DATA_AXIS
@@ -62,8 +63,10 @@ class _Options:
         c = self.clip_grad_norm
         if c is not None and not (isinstance(c, int | float) and c > 0 and np.isfinite(c)):
             raise ValueError(f"`clip_grad_norm` must be a positive number or None, got clip_grad_norm={c!r}.")
-        if self.nonfinite not in ("skip", "raise"):
-            raise ValueError(f"`nonfinite` must be 'skip' or 'raise', got nonfinite={self.nonfinite!r}.")
+        if self.nonfinite not in ("skip", "raise", "ignore"):
+            raise ValueError(
+                f"`nonfinite` must be 'skip', 'raise' or 'ignore', got nonfinite={self.nonfinite!r}."
+            )
         m = self.max_inflight
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"`max_inflight` must be an int >= 1, got max_inflight={m!r}.")
@@ -94,7 +97,9 @@ class DataParallel:
       nonfinite: ``"skip"``: a non-finite loss or gradient leaves params,
         optimizer and model state unchanged on every replica and is counted in
         ``metrics["nonfinite"]``; ``"raise"``: the same, then
-        ``NonFiniteError`` (costs a host sync per step).
+        ``NonFiniteError`` (costs a host sync per step); ``"ignore"``: no check
+        (as PyTorch DDP), saving one read of the gradient and a branch per step;
+        ``grad_norm`` is then reported only with ``clip_grad_norm``.
       donate: donate the input state's buffers to the output state.
       eval_fn: ``eval_fn(params, model_state, batch) -> metrics`` for
         ``eval_step``; ``None`` reports ``loss_fn``'s loss and metrics.
@@ -123,7 +128,7 @@ class DataParallel:
         accumulate_steps: int = 1,
         reduce_dtype: Any = None,
         clip_grad_norm: float | None = None,
-        nonfinite: Literal["skip", "raise"] = "skip",
+        nonfinite: Literal["skip", "raise", "ignore"] = "skip",
         donate: bool = True,
         eval_fn: jt.EvalFn | None = None,
         max_inflight: int = 2,
@@ -145,19 +150,26 @@ class DataParallel:
         self._rep = runtime.replicated(mesh)
         self._batch = runtime.batch_sharding(mesh)
         self._checked: tuple | None = None
+        self._names: dict[str, tuple[str, ...]] = {}
         self._step = self._compile(self._local_step, donate=donate)
         self._eval = self._compile(self._local_eval, donate=False, out_state=False)
 
     def _compile(self, fn, *, donate: bool, out_state: bool = True):
+        # Programs take (step, params, opt_state, model_state), the rng key data
+        # and the batch; the key is not donated nor returned (it never changes),
+        # and the metrics come back packed in one vector: fewer buffers per call.
         out_specs = (P(), P()) if out_state else P()
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(DATA)), out_specs=out_specs)
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=out_specs)
         out_shardings = (self._rep, self._rep) if out_state else self._rep
         return jax.jit(
             mapped,
-            in_shardings=(self._rep, self._batch),
+            in_shardings=(self._rep, self._rep, self._batch),
             out_shardings=out_shardings,
             donate_argnums=(0,) if donate else (),
         )
+
+    def _args(self, state: state_lib.TrainState, batch):
+        return (state.step, state.params, state.opt_state, state.model_state), state.rng, batch
 
     # ----------------------------------------------------------------- init
 
@@ -199,7 +211,7 @@ class DataParallel:
 
     # ----------------------------------------------------------------- step
 
-    def step(self, state: state_lib.TrainState, batch: jt.Batch) -> tuple[state_lib.TrainState, dict]:
+    def step(self, state: state_lib.TrainState, batch: jt.Batch) -> tuple[state_lib.TrainState, metrics_lib.Metrics]:
         """One training step on a global batch.
 
         Args:
@@ -209,10 +221,12 @@ class DataParallel:
             ``batch["mask"]`` of 0/1 marks real examples.
 
         Returns:
-          ``(new_state, metrics)``; metrics are replicated scalars: ``loss``,
-          ``grad_norm`` (before clipping), ``examples`` (real examples in the
-          global batch), ``nonfinite`` (1 if the update was skipped) and the
-          ``loss_fn``'s metrics, all exact global means.
+          ``(new_state, metrics)``; ``metrics`` maps names to floats, read from
+          the device on first access (``jddp.engine.metrics.Metrics``): ``loss``,
+          ``examples`` (real examples in the global batch), ``grad_norm``
+          (before clipping) and ``nonfinite`` (1 if the update was skipped)
+          unless ``nonfinite="ignore"``, and the ``loss_fn``'s metrics, all
+          exact global means.
 
         Raises:
           ValueError: for a batch the mesh cannot split or a state from another mesh.
@@ -220,9 +234,11 @@ class DataParallel:
         """
         self._check_call(state, batch)
         dispatch.DISPATCHER.before(self._step, self.options.max_inflight)
-        state, metrics = self._step(state, batch)
-        dispatch.DISPATCHER.after(metrics)
-        if self.options.nonfinite == "raise" and bool(metrics["nonfinite"]):
+        (step, params, opt_state, model_state), packed = self._step(*self._args(state, batch))
+        dispatch.DISPATCHER.after(packed)
+        state = state_lib.TrainState(step, params, opt_state, model_state, state.rng)
+        metrics = metrics_lib.Metrics(self._names["step"], packed)
+        if self.options.nonfinite == "raise" and metrics["nonfinite"]:
             step = int(state.step) - 1
             raise NonFiniteError(
                 f"Non-finite loss or gradient at step={step} (loss={float(metrics['loss'])}, "
@@ -232,7 +248,7 @@ class DataParallel:
             )
         return state, metrics
 
-    def eval_step(self, state: state_lib.TrainState, batch: jt.Batch) -> dict:
+    def eval_step(self, state: state_lib.TrainState, batch: jt.Batch) -> metrics_lib.Metrics:
         """Exact global means of the evaluation metrics over the batch's real examples.
 
         Args:
@@ -240,13 +256,13 @@ class DataParallel:
           batch: as for ``step``; pad the last batch and mask the padding.
 
         Returns:
-          A dict of replicated scalars, plus ``examples``, the real examples counted.
+          ``Metrics`` (names to floats), plus ``examples``, the real examples counted.
         """
         self._check_call(state, batch)
         dispatch.DISPATCHER.before(self._eval, self.options.max_inflight)
-        metrics = self._eval(state, batch)
-        dispatch.DISPATCHER.after(metrics)
-        return metrics
+        packed = self._eval(*self._args(state, batch))
+        dispatch.DISPATCHER.after(packed)
+        return metrics_lib.Metrics(self._names["eval"], packed)
 
     def comm_report(self, state: state_lib.TrainState, batch: jt.Batch) -> comm.CommReport:
         """The collectives of the compiled step: op, operands, dtype, bytes.
@@ -254,7 +270,7 @@ class DataParallel:
         Compiling for the report does not run the step or touch ``state``.
         """
         self._check_call(state, batch)
-        compiled = self._step.lower(state, batch).compile()
+        compiled = self._step.lower(*self._args(state, batch)).compile()
         return comm.CommReport.from_hlo(compiled.as_text(), reduce_dtype=self.options.reduce_dtype)
 
     def assert_replicas_identical(self, state: state_lib.TrainState) -> None:
@@ -307,8 +323,9 @@ class DataParallel:
 
     # --------------------------------------------------------- device code
 
-    def _local_step(self, state: state_lib.TrainState, batch):
+    def _local_step(self, train, rng, batch):
         opts = self.options
+        state = state_lib.TrainState(*train, rng)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         key = jax.random.fold_in(key, lax.axis_index(DATA))
         params_v = jax.tree.map(_varying, state.params)
@@ -325,33 +342,48 @@ class DataParallel:
         grads_sum, sums, synced_sum = lax.psum((grads_wire, sums, varying_state), DATA)
         model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
 
-        loss_w, examples, aux = sums
-        scale = 1.0 / jnp.where(loss_w.weight > 0, loss_w.weight, 1.0)
-        grads = jax.tree.map(lambda s, p: (s.astype(jnp.float32) * scale).astype(p.dtype), grads_sum, state.params)
-        loss = reduce.safe_divide(loss_w.total, loss_w.weight)
-        grad_norm = optax.tree.norm(grads)
-        if opts.clip_grad_norm is not None:
-            clip = jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
-            grads = jax.tree.map(lambda g: (g * clip).astype(g.dtype), grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        return self._apply(state, grads_sum, sums, model_state)
 
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-        new_state = state.replace(
-            step=state.step + 1,
-            params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
-            model_state=keep(model_state, state.model_state),
-        )
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "examples": examples,
-            "nonfinite": (~finite).astype(jnp.float32),
-            **{k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()},
-        }
-        return new_state, metrics
+    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state):
+        """The optimizer update from the all-reduced sums, identical on every replica."""
+        opts = self.options
+        loss_w, examples, aux = sums
+        loss = reduce.safe_divide(loss_w.total, loss_w.weight)
+        scale = 1.0 / jnp.where(loss_w.weight > 0, loss_w.weight, 1.0)
+        metrics = {"loss": loss, "examples": examples}
+        if opts.nonfinite != "ignore" or opts.clip_grad_norm is not None:
+            # The norm of the mean gradient, from the sums: the mean itself is
+            # only formed inside the update, where XLA fuses it into the optimizer.
+            metrics["grad_norm"] = grad_norm = optax.tree.norm(grads_sum) * scale
+        if opts.clip_grad_norm is not None:
+            scale = scale * jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
+
+        def update(operands):
+            grads_sum, params, opt_state, model_state, _ = operands
+            grads = jax.tree.map(lambda s, p: (s.astype(jnp.float32) * scale).astype(p.dtype), grads_sum, params)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, model_state
+
+        def skip(operands):
+            _, params, opt_state, _, old_model_state = operands
+            return params, opt_state, old_model_state
+
+        operands = (grads_sum, state.params, state.opt_state, model_state, state.model_state)
+        if opts.nonfinite == "ignore":
+            params, opt_state, model_state = update(operands)
+        else:
+            # A branch, not a select: the common path reads each buffer once.
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            metrics["nonfinite"] = (~finite).astype(jnp.float32)
+            params, opt_state, model_state = lax.cond(finite, update, skip, operands)
+        _check_metric_names(aux, metrics)
+        metrics.update({k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()})
+        return (state.step + 1, params, opt_state, model_state), self._pack("step", metrics)
+
+    def _pack(self, program: str, metrics: dict) -> jax.Array:
+        """Records the metric names (at trace time) and stacks the values."""
+        self._names[program] = tuple(metrics)
+        return jnp.stack([jnp.asarray(v, jnp.float32) for v in metrics.values()])
 
     def _local_grads(self, params_v, model_state, batch, key):
         """Local gradient of the loss *total* and the local sums, all varying."""
@@ -387,7 +419,8 @@ class DataParallel:
         (grads, model_state, sums), _ = lax.scan(body, init, (micro, jnp.arange(k)))
         return grads, model_state, sums
 
-    def _local_eval(self, state: state_lib.TrainState, batch):
+    def _local_eval(self, train, rng, batch):
+        state = state_lib.TrainState(*train, rng)
         count = reduce.example_count(batch, _leading_size(batch))
         if self.eval_fn is None:
             key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), lax.axis_index(DATA))
@@ -399,7 +432,9 @@ class DataParallel:
             raise TypeError(f"`eval_fn` must return a dict of scalars, got {type(metrics).__name__}.")
         sums = {k: reduce.as_weighted(v, count, f"Metric {k!r}") for k, v in metrics.items()}
         sums, examples = lax.psum((jax.tree.map(_varying, sums), _varying(count)), DATA)
-        return {**{k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}, "examples": examples}
+        metrics = {k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}
+        _check_metric_names(metrics, {"examples": examples})
+        return self._pack("eval", {**metrics, "examples": examples})
 
 
 # --------------------------------------------------------------- helpers
@@ -434,6 +469,12 @@ def _split_varying(tree):
         return jax.tree.unflatten(treedef, out)
 
     return leaves, [leaves[i] for i in idx], rebuild
+
+
+def _check_metric_names(user: dict, builtin: dict) -> None:
+    clash = sorted(set(user) & set(builtin))
+    if clash:
+        raise ValueError(f"Metric names {clash} are reserved by jddp ({sorted(builtin)}); rename them.")
 
 
 def _unpack_loss(out):
