@@ -17,6 +17,7 @@ so that machine noise hits them alike. Prints the median time per step, the
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rng = np.random.default_rng(0)
     sizes = [40, args.hidden, args.hidden, 10]
     params = {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
-              for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))}  # fmt: skip
+              for i, (a, b) in enumerate(itertools.pairwise(sizes))}  # fmt: skip
     batches = [
         {"x": rng.normal(size=(args.global_batch_size, 40)).astype(np.float32),
          "y": rng.integers(0, 10, args.global_batch_size).astype(np.int32)}

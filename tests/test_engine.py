@@ -68,7 +68,7 @@ def test_accumulate_steps_equals_whole_batch(mesh):
     batches = [models.batch(64, seed) for seed in range(3)]
     whole, _ = train(jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh), model, batches)
     dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh, accumulate_steps=4)
-    accumulated, metrics = train(dp, model, batches)
+    accumulated, _metrics = train(dp, model, batches)
     assert max_diff(whole.params, accumulated.params) < 1e-6
     report = dp.comm_report(accumulated, batches[0])
     assert report.count("all-reduce") == 1
@@ -271,7 +271,9 @@ def test_second_step_does_not_recompile(mesh):
     dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh)
     state = dp.init(model.params)
     compiles = []
-    listener = lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    listener = lambda event, duration, **kw: (
+        compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         state, _ = dp.step(state, models.batch(64, 0))
@@ -322,7 +324,7 @@ def test_many_steps_in_flight_do_not_deadlock(mesh):
     state = dp.init(model.params)
     b = jax.device_put(models.batch(64), jddp.batch_sharding(mesh))
     for _ in range(400):
-        state, metrics = dp.step(state, b)
+        state, _metrics = dp.step(state, b)
     assert int(state.step) == 400
 
 

@@ -36,7 +36,9 @@ def load_data(config: Config) -> dict[str, np.ndarray]:
     args = get_dataset_args()
     args.num_samples, args.seed = config.num_samples, config.seed
     data = make_dataset(args)
-    return {k: np.asarray(data[k], np.float32 if k.startswith("x") else np.int32) for k in ("x", "y", "x_test", "y_test")}
+    return {
+        k: np.asarray(data[k], np.float32 if k.startswith("x") else np.int32) for k in ("x", "y", "x_test", "y_test")
+    }
 
 
 def make_model(config: Config):

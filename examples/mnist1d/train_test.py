@@ -10,7 +10,9 @@ from examples.mnist1d import train
 
 
 def test_trains_above_chance():
-    config = dataclasses.replace(train.parse([]), epochs=8, num_samples=1500, log_every=8, hidden=128, learning_rate=1e-2)
+    config = dataclasses.replace(
+        train.parse([]), epochs=8, num_samples=1500, log_every=8, hidden=128, learning_rate=1e-2
+    )
     result = train.main(config)
     assert result["steps"] == 8 * (1200 // 128)
     assert result["test_accuracy"] > 0.3  # chance is 0.1

@@ -74,7 +74,9 @@ class CommReport:
                 calls.setdefault(computation, set()).update(n.strip().lstrip("%") for n in group.split(","))
             m = _INSTR.match(line)
             if m:
-                operands = tuple((d, tuple(int(s) for s in dims.split(",") if s)) for d, dims in _ARRAY.findall(m.group(1)))
+                operands = tuple(
+                    (d, tuple(int(s) for s in dims.split(",") if s)) for d, dims in _ARRAY.findall(m.group(1))
+                )
                 nbytes = sum(_DTYPE_BYTES.get(d, 4) * int(np.prod(shape, dtype=np.int64)) for d, shape in operands)
                 found.append((m.group(2), computation, operands, nbytes))
         looped = _loop_computations(hlo_text, calls)

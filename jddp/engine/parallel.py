@@ -64,9 +64,7 @@ class _Options:
         if c is not None and not (isinstance(c, int | float) and c > 0 and np.isfinite(c)):
             raise ValueError(f"`clip_grad_norm` must be a positive number or None, got clip_grad_norm={c!r}.")
         if self.nonfinite not in ("skip", "raise", "ignore"):
-            raise ValueError(
-                f"`nonfinite` must be 'skip', 'raise' or 'ignore', got nonfinite={self.nonfinite!r}."
-            )
+            raise ValueError(f"`nonfinite` must be 'skip', 'raise' or 'ignore', got nonfinite={self.nonfinite!r}.")
         m = self.max_inflight
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"`max_inflight` must be an int >= 1, got max_inflight={m!r}.")
@@ -136,13 +134,10 @@ class DataParallel:
         if not callable(loss_fn):
             raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(
-                f"`optimizer` must be an optax.GradientTransformation, got {type(optimizer).__name__}."
-            )
+            raise TypeError(f"`optimizer` must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
         if not isinstance(mesh, Mesh) or DATA not in mesh.axis_names:
             raise ValueError(
-                f"`mesh` must be a jax.sharding.Mesh with an axis named {DATA!r}, got {mesh!r}; "
-                "use `jddp.data_mesh()`."
+                f"`mesh` must be a jax.sharding.Mesh with an axis named {DATA!r}, got {mesh!r}; use `jddp.data_mesh()`."
             )
         self.options = _Options(accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight)
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh

@@ -53,6 +53,8 @@ def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
       1.5
     """
     values = jnp.asarray(values)
+    if not jnp.issubdtype(values.dtype, jnp.inexact):
+        values = values.astype(jnp.float32)  # booleans (accuracy) and counts
     if mask is None:
         return jnp.mean(values)
     mask = jnp.asarray(mask, values.dtype)
