@@ -1,6 +1,6 @@
 """jddp: PyTorch DDP's design for JAX: data-parallel training on shard_map."""
 
-from jddp import models
+from jddp import data, models
 from jddp._version import __version__
 from jddp.engine.comm import CommReport
 from jddp.engine.parallel import DataParallel, NonFiniteError
@@ -26,6 +26,7 @@ __all__ = [
     "Weighted",
     "__version__",
     "batch_sharding",
+    "data",
     "data_mesh",
     "is_main_process",
     "masked_mean",

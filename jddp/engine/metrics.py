@@ -12,6 +12,7 @@ class Metrics(Mapping[str, float]):
     """A read-only mapping of metric names to Python floats.
 
     The compiled step returns all its metrics as one replicated float32 vector
+    (``eval_step``'s vector carries each metric's weight after the values)
     (one output buffer instead of one per metric: measurably cheaper per step on
     CPU). Nothing is copied to the host until a value is read; the first read
     waits for the step and transfers the vector once. It is a pytree whose one
@@ -28,11 +29,20 @@ class Metrics(Mapping[str, float]):
         self.names = tuple(names)
         self.packed = packed
         self._host: dict[str, float] | None = None
+        self._weights: dict[str, float] = {}
 
     def _values(self) -> dict[str, float]:
         if self._host is None:
-            self._host = dict(zip(self.names, np.asarray(self.packed).tolist(), strict=True))
+            values = np.asarray(self.packed).tolist()
+            self._host = dict(zip(self.names, values[: len(self.names)], strict=True))
+            self._weights = dict(zip(self.names, values[len(self.names) :], strict=False))
         return self._host
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """What each mean of ``eval_step`` averages over (real examples, or the ``Weighted`` weights)."""
+        self._values()
+        return self._weights
 
     def __getitem__(self, name: str) -> float:
         try:

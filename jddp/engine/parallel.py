@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import jax
@@ -259,6 +260,30 @@ class DataParallel:
         dispatch.DISPATCHER.after(packed)
         return metrics_lib.Metrics(self._names["eval"], packed)
 
+    def evaluate(self, state: state_lib.TrainState, batches: Iterable[jt.Batch]) -> dict[str, float]:
+        """Exact means of the evaluation metrics over every real example of ``batches``.
+
+        Each batch's means are combined with their weights (real examples, or
+        the ``Weighted`` weights), so the result equals one pass over the whole
+        data on one device. Pair it with ``jddp.data.DataLoader(...,
+        shuffle=False, drop_last=False)``: one epoch covers every example once,
+        the padding masked.
+
+        Returns:
+          Metric names to floats, plus ``examples``, the real examples seen.
+        """
+        totals: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        examples = 0.0
+        for batch in batches:
+            m = self.eval_step(state, batch)
+            for name, weight in m.weights.items():
+                totals[name] = totals.get(name, 0.0) + m[name] * weight
+                weights[name] = weights.get(name, 0.0) + weight
+            examples += m["examples"]
+        means = {k: totals[k] / weights[k] if weights[k] else 0.0 for k in totals}
+        return {**means, "examples": examples}
+
     def comm_report(self, state: state_lib.TrainState, batch: jt.Batch) -> comm.CommReport:
         """The collectives of the compiled step: op, operands, dtype, bytes.
 
@@ -429,7 +454,9 @@ class DataParallel:
         sums, examples = lax.psum((jax.tree.map(_varying, sums), _varying(count)), DATA)
         metrics = {k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}
         _check_metric_names(metrics, {"examples": examples})
-        return self._pack("eval", {**metrics, "examples": examples})
+        packed = self._pack("eval", {**metrics, "examples": examples})
+        # The weights follow the values, so that `evaluate` can combine batches exactly.
+        return jnp.concatenate([packed, jnp.stack([w.weight for w in sums.values()])])
 
 
 # --------------------------------------------------------------- helpers

@@ -1,0 +1,212 @@
+"""Which examples each process reads: a world-size-invariant distributed sampler.
+
+Definitions:
+
+* *global order* of epoch ``e``: a permutation of ``range(dataset_size)``
+  drawn from ``numpy.random.default_rng([seed, e])`` (the identity when
+  ``shuffle=False``);
+* *global batch* ``b`` of an epoch: entries ``[b*B, (b+1)*B)`` of its order,
+  ``B = global_batch_size``;
+* *replica* ``r`` of ``R = num_replicas`` (PyTorch's rank and world size; in
+  jddp a replica is a process) reads the contiguous slice
+  ``[r*B/R, (r+1)*B/R)`` of every global batch: the rows that
+  ``jax.make_array_from_process_local_data`` places on its devices;
+* *position*: global batches consumed since the start; the epoch is
+  ``position // len(sampler)``.
+
+Guarantees:
+
+* the sequence of global batches depends on ``(dataset_size, seed, shuffle,
+  drop_last, global_batch_size)`` only, never on ``num_replicas``;
+* slices of one global batch are disjoint, and within an epoch every example
+  appears exactly once (``drop_last=False``) or at most once
+  (``drop_last=True``, the remainder dropped);
+* with ``drop_last=False`` the last global batch is filled up with padding
+  entries whose mask is 0 (they repeat valid indices so they can be read);
+* the epoch follows from the position, so an order never repeats because
+  ``set_epoch`` was forgotten;
+* ``state_dict()`` is a small JSON-able dict; ``load_state_dict`` accepts it
+  on any ``num_replicas`` and continues the same global sequence.
+
+This module imports NumPy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+STATE_KEYS = ("position", "epoch", "seed", "dataset_size", "global_batch_size", "shuffle", "drop_last")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalBatch:
+    """This replica's slice of one global batch.
+
+    Attributes:
+      position: the global batch's position (since the start of training).
+      epoch: its epoch.
+      indices: ``int64[B/R]`` dataset indices to read.
+      mask: ``float32[B/R]``, 1 for real examples, 0 for padding.
+      order: ``int64[B/R]`` each entry's place in the epoch's global order
+        (seeds per-example randomness independently of ``num_replicas``).
+    """
+
+    position: int
+    epoch: int
+    indices: np.ndarray
+    mask: np.ndarray
+    order: np.ndarray
+
+
+class DistributedSampler:
+    """PyTorch's ``DistributedSampler``, made world-size invariant and resumable.
+
+    Args:
+      dataset_size: number of examples, at least 1.
+      global_batch_size: examples per global batch, over all replicas.
+      num_replicas: number of readers (processes); divides ``global_batch_size``.
+      rank: this reader's index, ``0 <= rank < num_replicas``.
+      shuffle: draw a new global order every epoch.
+      seed: seeds the orders; the same seed gives the same sequence.
+      drop_last: drop the incomplete last batch (``True``) or pad it with
+        masked entries (``False``).
+
+    Raises:
+      ValueError: for an empty dataset, a batch that the replicas cannot split,
+        a rank out of range, or a dataset smaller than one batch with
+        ``drop_last=True``.
+
+    Example:
+      >>> s = DistributedSampler(10, global_batch_size=4, num_replicas=2, rank=1, shuffle=False, drop_last=False)
+      >>> len(s), [b.indices.tolist() for b in s], [b.mask.tolist() for b in s][-1]
+      (3, [[2, 3], [6, 7], [0, 1]], [0.0, 0.0])
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        *,
+        global_batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ):
+        _check_int("dataset_size", dataset_size, 1, "the dataset is empty; give it at least one example")
+        _check_int("global_batch_size", global_batch_size, 1, "use a positive batch size")
+        _check_int("num_replicas", num_replicas, 1, "use at least one replica")
+        _check_int("seed", seed, 0, "use a non-negative seed")
+        if global_batch_size % num_replicas:
+            raise ValueError(
+                f"`global_batch_size` must be divisible by `num_replicas` (processes), got "
+                f"global_batch_size={global_batch_size}, num_replicas={num_replicas}; use a multiple of "
+                f"{num_replicas}."
+            )
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"`rank` must be in [0, num_replicas), got rank={rank}, num_replicas={num_replicas}.")
+        if drop_last and dataset_size < global_batch_size:
+            raise ValueError(
+                f"The dataset is smaller than one global batch with `drop_last=True`: dataset_size="
+                f"{dataset_size}, global_batch_size={global_batch_size}, so an epoch has no batch. Use a "
+                "smaller batch or drop_last=False (the batch is then padded with masked entries)."
+            )
+        self.dataset_size, self.global_batch_size = dataset_size, global_batch_size
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
+        self.local_batch_size = global_batch_size // num_replicas
+        self.position = 0
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        """Global batches per epoch."""
+        full, rest = divmod(self.dataset_size, self.global_batch_size)
+        return full + (0 if self.drop_last or not rest else 1)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch."""
+        return self.position // len(self)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves to the start of ``epoch`` unless the position is already inside it.
+
+        Kept for PyTorch habits: the epoch follows from the position anyway.
+        """
+        _check_int("epoch", epoch, 0, "epochs count from 0")
+        if self.epoch != epoch:
+            self.position = epoch * len(self)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The global order of ``epoch``: a permutation of the dataset's indices."""
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
+            else:
+                order = np.arange(self.dataset_size)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def global_batch(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(indices, mask, order)`` of the global batch at ``position``, all replicas."""
+        epoch, b = divmod(position, len(self))
+        places = np.arange(b * self.global_batch_size, (b + 1) * self.global_batch_size)
+        mask = (places < self.dataset_size).astype(np.float32)
+        places = np.where(mask > 0, places, places % self.dataset_size)  # padding re-reads valid entries
+        return self.order(epoch)[places], mask, places
+
+    def local_batch(self, position: int) -> LocalBatch:
+        """This replica's slice of the global batch at ``position``."""
+        indices, mask, places = self.global_batch(position)
+        lo = self.rank * self.local_batch_size
+        sl = slice(lo, lo + self.local_batch_size)
+        return LocalBatch(position, position // len(self), indices[sl], mask[sl], places[sl])
+
+    def __iter__(self) -> Iterator[LocalBatch]:
+        """This replica's batches from the position to the end of its epoch, advancing it."""
+        end = (self.epoch + 1) * len(self)
+        while self.position < end:
+            batch = self.local_batch(self.position)
+            self.position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global cursor and what it is valid for; JSON-able, replica-independent."""
+        return {
+            "position": self.position,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "dataset_size": self.dataset_size,
+            "global_batch_size": self.global_batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues the global sequence saved in ``state`` (any ``num_replicas``).
+
+        Raises:
+          ValueError: if ``state`` lacks keys, or belongs to another dataset,
+            seed, batch size, shuffle or drop_last setting.
+        """
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"Sampler state lacks keys {missing}; it must come from `state_dict()`.")
+        mine = self.state_dict()
+        diff = [f"{k}: saved {state[k]!r}, here {mine[k]!r}" for k in STATE_KEYS[2:] if state[k] != mine[k]]
+        if diff:
+            raise ValueError(
+                "The sampler state belongs to another data setup (" + "; ".join(diff) + "). Restore it "
+                "with the dataset and settings it was saved with, or start this data from scratch."
+            )
+        _check_int("position", state["position"], 0, "positions count from 0")
+        self.position = int(state["position"])
+
+
+def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {name}={value!r}: {fix}.")

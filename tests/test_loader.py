@@ -1,0 +1,212 @@
+"""DataLoader: global batches, exact resume, exact evaluation, transforms, workers."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp.data import loader as loader_lib
+from jddp.data.sampler import DistributedSampler
+from tests import models
+
+
+def source(n: int = 203) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(n, models.IN)).astype(np.float32),
+        "y": rng.integers(0, models.OUT, n).astype(np.int32),
+    }
+
+
+def host(batch) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in batch.items()}
+
+
+def test_batches_are_global_arrays_of_the_sampler_rows():
+    data = source()
+    loader = jddp.data.DataLoader(data, global_batch_size=32, seed=5, shuffle=True)
+    reference = DistributedSampler(len(data["x"]), global_batch_size=32, seed=5)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 203 // 32
+    for position, batch in enumerate(batches):
+        assert batch["x"].sharding == jddp.batch_sharding(jddp.data_mesh())
+        idx = reference.local_batch(position).indices
+        np.testing.assert_array_equal(np.asarray(batch["x"]), data["x"][idx])
+        np.testing.assert_array_equal(np.asarray(batch["y"]), data["y"][idx])
+        np.testing.assert_array_equal(np.asarray(batch["mask"]), np.ones(32, np.float32))
+    assert loader.epoch == 1
+
+
+@pytest.mark.parametrize("stop", [0, 3, 6, 9], ids=["start", "mid-epoch", "epoch-end", "second-epoch"])
+@pytest.mark.parametrize("devices", [8, 4, 2], ids=["8dev", "4dev", "2dev"])
+def test_resume_continues_the_uninterrupted_sequence(stop, devices):
+    data = source(100)
+    kwargs = {"global_batch_size": 16, "seed": 11, "drop_last": False}
+    uninterrupted = jddp.data.DataLoader(data, **kwargs)
+    full = [host(b) for _ in range(3) for b in uninterrupted]  # 3 epochs of 7 batches
+
+    first = jddp.data.DataLoader(data, **kwargs)
+    taken = []
+    while len(taken) < stop:
+        for b in first:
+            taken.append(host(b))
+            if len(taken) == stop:
+                break
+    state = first.get_state()
+    resumed = jddp.data.DataLoader(data, mesh=jddp.data_mesh(jax.devices()[:devices]), **kwargs)
+    resumed.set_state(state)
+    rest = []
+    while resumed.epoch < 3:  # each pass runs to the end of the current epoch
+        rest.extend(host(b) for b in resumed)
+    assert len(taken) + len(rest) == len(full)
+    for a, b in zip(taken + rest, full, strict=True):
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_evaluation_over_a_ragged_dataset_equals_one_device():
+    model = models.pytree()
+    data = source(203)  # not a multiple of the batch
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+    state = dp.init(model.params)
+    loader = jddp.data.DataLoader(data, global_batch_size=64, shuffle=False, drop_last=False)
+    metrics = dp.evaluate(state, loader)
+    loss, (_, aux) = model.loss_fn(model.params, {}, data, None)
+    assert metrics["examples"] == 203
+    assert metrics["loss"] == pytest.approx(float(loss), abs=1e-6)
+    assert metrics["accuracy"] == pytest.approx(float(aux["accuracy"]), abs=1e-7)
+    # Averaging per-batch means without weights (what a plain loop does) is off.
+    plain = np.mean(
+        [
+            dp.eval_step(state, b)["loss"]
+            for b in jddp.data.DataLoader(data, global_batch_size=64, shuffle=False, drop_last=False)
+        ]
+    )
+    assert abs(plain - float(loss)) > 1e-4
+
+
+def test_weighted_metrics_combine_exactly_across_batches():
+    data = source(50)
+
+    def eval_fn(params, model_state, batch):
+        per_example = batch["x"][:, 0] * batch["mask"]
+        # A Weighted metric whose weight is not the example count.
+        return {"w": jddp.Weighted(per_example.sum(), 2.0 * batch["mask"].sum())}
+
+    dp = jddp.DataParallel(lambda *a: None, optax.sgd(0.1), mesh=jddp.data_mesh(), eval_fn=eval_fn)
+    state = dp.init({"w": np.zeros(1, np.float32)})
+    loader = jddp.data.DataLoader(data, global_batch_size=16, shuffle=False, drop_last=False)
+    metrics = dp.evaluate(state, loader)
+    assert metrics["w"] == pytest.approx(data["x"][:, 0].sum() / 100, abs=1e-6)
+
+
+def double_with_noise(example, rng):
+    return {**example, "x": example["x"] * 2 + rng.normal(size=example["x"].shape).astype(np.float32)}
+
+
+def test_per_example_transform_does_not_depend_on_the_process_count():
+    data = source(64)
+    one = DistributedSampler(64, global_batch_size=16, seed=1)
+    read_one = loader_lib._ReadBatch(data, one, double_with_noise, None)
+    for position in (0, 5):
+        whole = read_one(position)
+        parts = []
+        for rank in range(4):
+            s = DistributedSampler(64, global_batch_size=16, seed=1, num_replicas=4, rank=rank)
+            parts.append(loader_lib._ReadBatch(data, s, double_with_noise, None)(position))
+        np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), whole["x"])
+        assert not np.allclose(whole["x"], 2 * data["x"][one.local_batch(position).indices])
+    second_epoch = read_one(4 + 0)  # same examples' rngs differ across epochs
+    assert not np.array_equal(second_epoch["x"], read_one(0)["x"])
+
+
+class CountingSource:
+    """A Grain-style random-access source that counts its reads."""
+
+    def __init__(self, n: int):
+        self.data = source(n)
+        self.reads: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.data["x"])
+
+    def __getitem__(self, i: int) -> dict:
+        self.reads.append(i)
+        return {k: v[i] for k, v in self.data.items()}
+
+    def __repr__(self) -> str:
+        return f"CountingSource(n={len(self)})"
+
+
+def test_record_source_reads_each_example_once_per_epoch():
+    src = CountingSource(40)
+    loader = jddp.data.DataLoader(src, global_batch_size=8, seed=2, prefetch=0)
+    batches = [host(b) for b in loader]
+    assert sorted(src.reads) == list(range(40))
+    np.testing.assert_array_equal(np.concatenate([b["x"] for b in batches]), src.data["x"][np.array(src.reads)])
+
+
+def test_worker_processes_give_the_same_batches():
+    data = source(96)
+    kwargs = {"global_batch_size": 16, "seed": 4, "transform": double_with_noise}
+    expected = [host(b) for b in jddp.data.DataLoader(data, **kwargs)]
+    got = [host(b) for b in jddp.data.DataLoader(data, worker_count=2, **kwargs)]
+    assert len(got) == len(expected) == 6
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a["x"], b["x"])
+
+
+def test_trains_like_pre_staged_batches():
+    model = models.pytree()
+    data = source(128)
+    loader = jddp.data.DataLoader(data, global_batch_size=32, seed=9)
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+    state = dp.init(model.params)
+    for batch in loader:
+        state, _ = dp.step(state, batch)
+    sampler = DistributedSampler(128, global_batch_size=32, seed=9)
+    staged = [{**{k: v[b.indices] for k, v in data.items()}, "mask": b.mask} for b in sampler]
+    ref, _ = models.reference_sgd(model, staged, 0.1)
+    assert (
+        max(
+            float(np.max(np.abs(np.asarray(a) - b)))
+            for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref), strict=True)
+        )
+        < 1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("src", "kwargs", "error", "match"),
+    [
+        (
+            {"x": np.zeros((40, 2))},
+            {"global_batch_size": 12},
+            ValueError,
+            r"global_batch_size=12, processes=1, devices=8.*multiple of 8",
+        ),
+        ({"x": np.zeros((0, 2))}, {"global_batch_size": 8}, ValueError, r"source is empty"),
+        ({"x": np.zeros((5, 2))}, {"global_batch_size": 8}, ValueError, r"dataset_size=5, global_batch_size=8"),
+        ({"x": np.zeros((5, 2)), "y": np.zeros(4)}, {"global_batch_size": 8}, ValueError, r"same length"),
+        (object(), {"global_batch_size": 8}, TypeError, r"support `len\(\)` and indexing"),
+        ({"x": np.zeros((16, 2))}, {"global_batch_size": 8, "worker_count": -1}, ValueError, r"worker_count=-1"),
+    ],
+    ids=["indivisible", "empty", "smaller-than-batch", "ragged-source", "no-len", "workers"],
+)
+def test_bad_arguments(src, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jddp.data.DataLoader(src, **kwargs)
+
+
+def test_state_from_another_dataset_is_refused():
+    loader = jddp.data.DataLoader(source(100), global_batch_size=16, seed=1)
+    state = loader.get_state()
+    other = jddp.data.DataLoader(source(120), global_batch_size=16, seed=1)
+    with pytest.raises(ValueError, match=r"dataset_size: saved 100, here 120"):
+        other.set_state(state)
+    other = jddp.data.DataLoader(source(100), global_batch_size=16, seed=2)
+    with pytest.raises(ValueError, match=r"seed: saved 1, here 2"):
+        other.set_state(state)

@@ -1,0 +1,171 @@
+"""DistributedSampler: world-size invariance, coverage and resume, as properties."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jddp.data.sampler import DistributedSampler
+
+
+@st.composite
+def setups(draw):
+    replicas = draw(st.integers(1, 8))
+    per_replica = draw(st.integers(1, 6))
+    batch = replicas * per_replica
+    drop_last = draw(st.booleans())
+    size = draw(st.integers(batch if drop_last else 1, 120))
+    return {
+        "dataset_size": size,
+        "global_batch_size": batch,
+        "shuffle": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+        "drop_last": drop_last,
+    }, replicas
+
+
+def global_batches(setup: dict, replicas: int, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The global batches of ``epoch``, assembled from every replica's slices."""
+    samplers = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    out = []
+    for s in samplers:
+        s.set_epoch(epoch)
+    for slices in zip(*samplers, strict=True):
+        out.append((np.concatenate([b.indices for b in slices]), np.concatenate([b.mask for b in slices])))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(setups(), st.integers(1, 8))
+def test_global_batches_do_not_depend_on_replicas(case, other_replicas):
+    setup, replicas = case
+    if setup["global_batch_size"] % other_replicas:
+        other_replicas = 1
+    a = global_batches(setup, replicas, epoch=0)
+    b = global_batches(setup, other_replicas, epoch=0)
+    assert len(a) == len(b)
+    for (ia, ma), (ib, mb) in zip(a, b, strict=True):
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(ma, mb)
+
+
+@settings(max_examples=60, deadline=None)
+@given(setups())
+def test_slices_disjoint_and_epoch_covers_each_example_once(case):
+    setup, replicas = case
+    samplers = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    seen = []
+    for slices in zip(*samplers, strict=True):
+        real = [b.indices[b.mask == 1] for b in slices]
+        flat = np.concatenate(real)
+        assert len(np.unique(flat)) == len(flat)  # disjoint within the global batch
+        seen.append(flat)
+        assert all(len(b.indices) == setup["global_batch_size"] // replicas for b in slices)
+    seen = np.concatenate(seen)
+    n, batch = setup["dataset_size"], setup["global_batch_size"]
+    assert len(np.unique(seen)) == len(seen)  # never twice in an epoch
+    expected = (n // batch) * batch if setup["drop_last"] else n
+    assert len(seen) == expected
+    if not setup["drop_last"]:
+        np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(setups())
+def test_epochs_differ_and_seed_repeats(case):
+    setup, replicas = case
+    e0 = global_batches(setup, replicas, 0)
+    e1 = global_batches(setup, replicas, 1)
+    again = global_batches(setup, replicas, 0)
+    for (a, _), (b, _) in zip(e0, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    order0 = np.concatenate([i for i, _ in e0])
+    order1 = np.concatenate([i for i, _ in e1])
+    if setup["shuffle"] and setup["dataset_size"] >= 8:
+        # Two independent permutations of >= 8 items agree with probability <= 1/8! per seed.
+        assert not np.array_equal(order0, order1)
+    elif not setup["shuffle"]:
+        np.testing.assert_array_equal(order0, order1)
+
+
+def test_forgetting_set_epoch_does_not_repeat_the_order():
+    s = DistributedSampler(50, global_batch_size=10, seed=3)
+    first = np.concatenate([b.indices for b in s])
+    second = np.concatenate([b.indices for b in s])  # no set_epoch in between
+    assert s.epoch == 2
+    assert not np.array_equal(first, second)
+    s.set_epoch(0)
+    np.testing.assert_array_equal(np.concatenate([b.indices for b in s]), first)
+
+
+@settings(max_examples=40, deadline=None)
+@given(setups(), st.integers(1, 8), st.integers(0, 30), st.data())
+def test_resume_on_any_replica_count_continues_the_sequence(case, new_replicas, stop, data):
+    setup, replicas = case
+    if setup["global_batch_size"] % new_replicas:
+        new_replicas = replicas
+    reference = DistributedSampler(**setup)  # one replica: the whole global batches
+    total = 3 * len(reference)
+    stop = min(stop, total)
+    expected = [reference.local_batch(p).indices for p in range(stop, total)]
+
+    old = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    for s in old:
+        s.position = stop
+    state = json.loads(json.dumps(old[data.draw(st.integers(0, replicas - 1))].state_dict()))
+    new = [DistributedSampler(**setup, num_replicas=new_replicas, rank=r) for r in range(new_replicas)]
+    for s in new:
+        s.load_state_dict(state)
+    got = []
+    while new[0].position < total:
+        got.append(np.concatenate([next(iter(s)).indices for s in new]))
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dataset_size": 0, "global_batch_size": 4}, r"dataset_size=0: the dataset is empty"),
+        ({"dataset_size": 10, "global_batch_size": 6, "num_replicas": 4}, r"global_batch_size=6, num_replicas=4"),
+        ({"dataset_size": 3, "global_batch_size": 4}, r"dataset_size=3, global_batch_size=4.*drop_last=False"),
+        ({"dataset_size": 10, "global_batch_size": 4, "num_replicas": 2, "rank": 2}, r"rank=2, num_replicas=2"),
+        ({"dataset_size": 10, "global_batch_size": 0}, r"global_batch_size=0"),
+    ],
+    ids=["empty", "indivisible", "smaller-than-batch", "rank", "zero-batch"],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedSampler(**kwargs)
+
+
+def test_state_from_another_dataset_is_refused():
+    s = DistributedSampler(100, global_batch_size=10, seed=1)
+    with pytest.raises(ValueError, match=r"dataset_size: saved 90, here 100"):
+        s.load_state_dict({**s.state_dict(), "dataset_size": 90})
+    with pytest.raises(ValueError, match=r"seed: saved 2, here 1"):
+        s.load_state_dict({**s.state_dict(), "seed": 2})
+    with pytest.raises(ValueError, match=r"lacks keys \['position'"):
+        s.load_state_dict({"seed": 1})
+    assert s.position == 0  # nothing changed
+
+
+def test_sampler_imports_no_jax():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "jddp" / "data" / "sampler.py"
+    # jddp/__init__ imports JAX; load the module file alone and use it.
+    code = (
+        f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('s', {str(path)!r}); "
+        "m = importlib.util.module_from_spec(spec); sys.modules['s'] = m; spec.loader.exec_module(m); "
+        "assert len(m.DistributedSampler(10, global_batch_size=5)) == 2; print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
