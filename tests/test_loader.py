@@ -32,7 +32,7 @@ def test_batches_are_global_arrays_of_the_sampler_rows():
     batches = list(loader)
     assert len(batches) == len(loader) == 203 // 32
     for position, batch in enumerate(batches):
-        assert batch["x"].sharding == jddp.batch_sharding(jddp.data_mesh())
+        assert batch.data.sharding == jddp.batch_sharding(jddp.data_mesh())
         idx = reference.local_batch(position).indices
         np.testing.assert_array_equal(np.asarray(batch["x"]), data["x"][idx])
         np.testing.assert_array_equal(np.asarray(batch["y"]), data["y"][idx])

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jddp import runtime
+from jddp import packing, runtime
 from jddp.data import sampler as sampler_lib
 
 Example = dict[str, np.ndarray]
@@ -86,9 +86,11 @@ class DataLoader:
 
     The order of examples comes from a ``DistributedSampler`` (world-size
     invariant, see ``jddp.data.sampler``); Grain runs the reads and transforms,
-    in worker processes if asked, and prefetches; each yielded batch is a dict
-    of global ``jax.Array``\\ s with leading axis of size ``global_batch_size``,
-    sharded over ``"data"``, plus ``"mask"`` (0 for padding).
+    in worker processes if asked, and prefetches; each yielded batch is a
+    mapping of the source's keys plus ``"mask"`` (0 for padding) to global
+    arrays with leading axis of size ``global_batch_size``, sharded over
+    ``"data"``: a ``jddp.packing.PackedBatch``, one byte array on the devices
+    that ``DataParallel`` unpacks inside its step.
 
     Iterating gives the batches from the current position to the end of its
     epoch, as iterating a PyTorch ``DataLoader`` does; iterate again for the
@@ -184,8 +186,13 @@ class DataLoader:
         """Continues from ``state``; raises ``ValueError`` for another data setup."""
         self.sampler.load_state_dict(state)
 
-    def local_batches(self) -> Iterator[Example]:
-        """This process's NumPy slices from the position to the end of the epoch (position not advanced)."""
+    def _pipeline(self, on_device: bool) -> grain.IterDataset:
+        """Grain pipeline over positions from the cursor to the end of its epoch.
+
+        Reads (and transforms) run in Grain workers when ``worker_count`` > 0;
+        with ``on_device`` the global arrays are assembled in the prefetch
+        thread, so the training loop only takes ready batches off a queue.
+        """
         start = self.sampler.position
         end = (self.sampler.epoch + 1) * len(self.sampler)
         dataset = grain.MapDataset.range(start, end).map(self._read)
@@ -194,9 +201,14 @@ class DataLoader:
             _absl_flags_parsed()
             options = grain.MultiprocessingOptions(self.worker_count, per_worker_buffer_size=max(self.prefetch, 1))
             it = it.mp_prefetch(options)
-        elif self.prefetch:
+        if on_device:
+            it = it.map(self.to_global)
+        if self.prefetch:
             it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=self.prefetch)
-        iterator = iter(it)
+        return it
+
+    def _iterate(self, on_device: bool) -> Iterator:
+        iterator = iter(self._pipeline(on_device))
         try:
             yield from iterator
         finally:
@@ -204,15 +216,23 @@ class DataLoader:
             if close is not None:
                 close()
 
-    def __iter__(self) -> Iterator[dict[str, jax.Array]]:
-        for local in self.local_batches():
-            batch = self.to_global(local)
+    def local_batches(self) -> Iterator[Example]:
+        """This process's NumPy slices from the position to the end of the epoch (position not advanced)."""
+        return self._iterate(on_device=False)
+
+    def __iter__(self) -> Iterator[packing.PackedBatch]:
+        for batch in self._iterate(on_device=True):
             self.sampler.position += 1  # consumed once handed out: a save now resumes after it
             yield batch
 
-    def to_global(self, local: Example) -> dict[str, jax.Array]:
-        """This process's rows as global arrays sharded over ``"data"``."""
-        n = self.sampler.global_batch_size
-        return {
-            k: jax.make_array_from_process_local_data(self._sharding, v, (n, *v.shape[1:])) for k, v in local.items()
-        }
+    def to_global(self, local: Example) -> packing.PackedBatch:
+        """This process's rows as one global batch sharded over ``"data"``.
+
+        The arrays travel packed into one byte array (one buffer per device
+        instead of one per array and device; see ``jddp.packing``).
+        """
+        data, layout = packing.pack(local)
+        if jax.process_count() == 1:
+            return packing.PackedBatch(jax.device_put(data, self._sharding), layout)
+        shape = (self.sampler.global_batch_size, data.shape[1])
+        return packing.PackedBatch(jax.make_array_from_process_local_data(self._sharding, data, shape), layout)

@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp import runtime
+from jddp import packing, runtime
 from jddp import typing as jt
 from jddp.engine import comm, dispatch, reduce, replicas
 from jddp.engine import metrics as metrics_lib
@@ -346,6 +346,7 @@ class DataParallel:
     def _local_step(self, train, rng, batch):
         opts = self.options
         state = state_lib.TrainState(*train, rng)
+        batch = _unpacked(batch)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         key = jax.random.fold_in(key, lax.axis_index(DATA))
         params_v = jax.tree.map(_varying, state.params)
@@ -441,6 +442,7 @@ class DataParallel:
 
     def _local_eval(self, train, rng, batch):
         state = state_lib.TrainState(*train, rng)
+        batch = _unpacked(batch)
         count = reduce.example_count(batch, _leading_size(batch))
         if self.eval_fn is None:
             key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), lax.axis_index(DATA))
@@ -491,6 +493,11 @@ def _split_varying(tree):
         return jax.tree.unflatten(treedef, out)
 
     return leaves, [leaves[i] for i in idx], rebuild
+
+
+def _unpacked(batch):
+    """A ``PackedBatch`` (from ``jddp.data.DataLoader``) as its dict of arrays."""
+    return packing.unpack(batch.data, batch.layout) if isinstance(batch, packing.PackedBatch) else batch
 
 
 def _check_metric_names(user: dict, builtin: dict) -> None:

@@ -1,0 +1,26 @@
+"""Two real processes on 127.0.0.1: each reads only its slice of every global batch."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests import multiprocess
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_two_processes_read_disjoint_slices_and_assemble_the_same_batches():
+    script = str(Path(__file__).parent / "workers" / "loader_slices.py")
+    outputs = multiprocess.run(script, nprocs=2, devices_per_process=2)
+    results = [json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["process"] for r in results) == [0, 1]
+    reads = [r["reads"] for r in sorted(results, key=lambda r: r["process"])]
+    assert all(r["batches"] == 5 for r in results)  # ceil(70 / 16)
+    # 5 batches x 8 rows per process. The last global batch has 6 real rows, all
+    # in process 0's slice; its padding (2 rows there, 8 on process 1) re-reads valid rows.
+    assert len(reads[0]) == len(reads[1]) == 40
+    real0, real1 = reads[0][:38], reads[1][:32]
+    assert len(set(real0)) == 38 and len(set(real1)) == 32
+    assert not set(real0) & set(real1)
+    assert set(real0) | set(real1) == set(range(70))

@@ -1,0 +1,36 @@
+"""Worker: each process reads only its slice; the assembled global batch equals one process's."""
+
+import json
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", int(os.environ["JDDP_LOCAL_DEVICES"]))
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    os.environ["JDDP_COORDINATOR"],
+    int(os.environ["JDDP_NUM_PROCESSES"]),
+    int(os.environ["JDDP_PROCESS_ID"]),
+    coordinator_bind_address=os.environ["JDDP_COORDINATOR"],
+    initialization_timeout=60,
+)
+
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import jddp  # noqa: E402
+from jddp.data.sampler import DistributedSampler  # noqa: E402
+from tests.test_loader import CountingSource  # noqa: E402
+
+src = CountingSource(70)
+loader = jddp.data.DataLoader(src, global_batch_size=16, seed=7, drop_last=False)
+reference = DistributedSampler(70, global_batch_size=16, seed=7, drop_last=False)
+for position, batch in enumerate(loader):
+    rows = multihost_utils.process_allgather(batch["x"], tiled=True)
+    mask = multihost_utils.process_allgather(batch["mask"], tiled=True)
+    ref = reference.local_batch(position)
+    np.testing.assert_array_equal(rows, src.data["x"][ref.indices])
+    np.testing.assert_array_equal(mask, ref.mask)
+print("RESULT " + json.dumps({"process": jax.process_index(), "reads": src.reads, "batches": position + 1}))
+sys.stdout.flush()
