@@ -71,15 +71,6 @@ def classification_metrics(logits, batch):
     return loss, {"accuracy": accuracy}
 
 
-def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int):
-    """Every example once; the last batch padded and masked."""
-    for start in range(0, len(x), batch_size):
-        idx = np.arange(start, start + batch_size)
-        mask = (idx < len(x)).astype(np.float32)
-        idx = np.minimum(idx, len(x) - 1)
-        yield {"x": x[idx], "y": y[idx], "mask": mask}
-
-
 def main(config: Config) -> dict[str, float]:
     """Trains and returns the final metrics (train loss, test loss and accuracy)."""
     import jddp
@@ -106,35 +97,28 @@ def main(config: Config) -> dict[str, float]:
               f"{jax.device_count()} devices ({jax.local_device_count()} local), "
               f"global batch {config.global_batch_size}")  # fmt: skip
 
-    rng = np.random.default_rng(config.seed)
-    n, bs = len(data["x"]), config.global_batch_size
+    train_loader = jddp.data.DataLoader(
+        {"x": data["x"], "y": data["y"]}, global_batch_size=config.global_batch_size, seed=config.seed
+    )
+    test_loader = jddp.data.DataLoader(
+        {"x": data["x_test"], "y": data["y_test"]},
+        global_batch_size=config.global_batch_size,
+        shuffle=False,
+        drop_last=False,  # every test example once; the padding is masked
+    )
     start, steps, result = time.perf_counter(), 0, {}
     for epoch in range(config.epochs):
-        order = rng.permutation(n)
-        for i in range(n // bs):
-            idx = order[i * bs : (i + 1) * bs]
-            state, metrics = dp.step(state, {"x": data["x"][idx], "y": data["y"][idx]})
+        for batch in train_loader:
+            state, metrics = dp.step(state, batch)
             steps += 1
         if (epoch + 1) % config.log_every == 0 or epoch + 1 == config.epochs:
-            test = evaluate(dp, state, data["x_test"], data["y_test"], bs)
-            result = {"epoch": epoch + 1, "steps": steps, "train_loss": float(metrics["loss"]),
+            test = dp.evaluate(state, test_loader)
+            result = {"epoch": epoch + 1, "steps": steps, "train_loss": metrics["loss"],
                       "test_loss": test["loss"], "test_accuracy": test["accuracy"],
                       "seconds": time.perf_counter() - start}  # fmt: skip
             if jddp.is_main_process():
                 print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return result
-
-
-def evaluate(dp, state, x, y, batch_size) -> dict[str, float]:
-    """Exact test metrics: masked per-batch means weighted by their real examples."""
-    totals, count = {}, 0.0
-    for batch in eval_batches(x, y, batch_size):
-        m = dp.eval_step(state, batch)
-        c = float(m["examples"])
-        for k in ("loss", "accuracy"):
-            totals[k] = totals.get(k, 0.0) + float(m[k]) * c
-        count += c
-    return {k: v / count for k, v in totals.items()}
 
 
 def eval_metrics(model, batch) -> dict:

@@ -19,14 +19,6 @@ def test_trains_above_chance():
     assert np.isfinite(result["train_loss"])
 
 
-def test_eval_batches_cover_every_example_once():
-    x, y = np.arange(10, dtype=np.float32)[:, None], np.arange(10, dtype=np.int32)
-    batches = list(train.eval_batches(x, y, 4))
-    seen = np.concatenate([b["y"][b["mask"] == 1] for b in batches])
-    np.testing.assert_array_equal(seen, y)
-    assert all(len(b["y"]) == 4 for b in batches)
-
-
 def test_overrides_are_typed_and_checked():
     assert train.parse(["epochs=3", "learning_rate=0.1"]).epochs == 3
     with pytest.raises(ConfigKeyError, match="epoch"):
