@@ -27,6 +27,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=300, help="batches timed per loader measurement")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds for the loop comparison")
     p.add_argument("--steps", type=int, default=40, help="steps per round")
+    p.add_argument("--prefetch", type=int, default=2, help="loader prefetch (0: read in the training thread)")
     return p
 
 
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     bs = args.global_batch_size
 
     def loader_rate(workers: int) -> float:
-        loader = jddp.data.DataLoader(source, global_batch_size=bs, seed=1, worker_count=workers)
+        loader = jddp.data.DataLoader(
+            source, global_batch_size=bs, seed=1, worker_count=workers, prefetch=args.prefetch
+        )
         it = iter(loader)
         for _ in range(5):  # start the workers, fill the buffers
             jax.block_until_ready(next(it))
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loss_fn = jddp.models.nnx_loss(graphdef, lambda m, b, r: mnist1d.classification_metrics(m(b["x"]), b))
     dp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=jddp.data_mesh())
     state = dp.init(params, model_state)
-    loader = jddp.data.DataLoader(source, global_batch_size=bs, seed=1)
+    loader = jddp.data.DataLoader(source, global_batch_size=bs, seed=1, prefetch=args.prefetch)
     staged = [loader.to_global(b) for b in itertools.islice(loader.local_batches(), args.steps)]
     batches = iter(loader)
 
