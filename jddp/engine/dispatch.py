@@ -1,7 +1,8 @@
 """Bounds the compiled programs in flight on simulated CPU devices.
 
 Two facts measured on XLA:CPU with several devices in one process (see
-JAX_NOTES.md and ``tests/test_dispatch.py``):
+JAX_NOTES.md and
+``tests/test_engine.py::test_many_steps_in_flight_do_not_deadlock``):
 
 * two *different* programs with collectives dispatched back to back without
   waiting can deadlock in the collective rendezvous, and XLA aborts the process
