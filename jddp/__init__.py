@@ -1,38 +1,72 @@
-"""jddp: PyTorch DDP's design for JAX: data-parallel training on shard_map."""
+"""jddp: PyTorch DDP's design for JAX: data-parallel training on shard_map.
 
-from jddp import data, models
+Names are imported on first use, so that ``jddp launch`` (``jddp.launch``)
+starts worker processes without ever importing JAX itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from jddp._version import __version__
-from jddp.engine.comm import CommReport
-from jddp.engine.parallel import DataParallel, NonFiniteError
-from jddp.engine.reduce import Weighted, masked_mean
-from jddp.engine.state import TrainState
-from jddp.runtime import (
-    DATA_AXIS,
-    batch_sharding,
-    data_mesh,
-    is_main_process,
-    process_count,
-    process_index,
-    replicated,
-    simulate_cpu_devices,
-)
 
-__all__ = [
-    "DATA_AXIS",
-    "CommReport",
-    "DataParallel",
-    "NonFiniteError",
-    "TrainState",
-    "Weighted",
-    "__version__",
-    "batch_sharding",
-    "data",
-    "data_mesh",
-    "is_main_process",
-    "masked_mean",
-    "models",
-    "process_count",
-    "process_index",
-    "replicated",
-    "simulate_cpu_devices",
-]
+_EXPORTS = {
+    "DATA_AXIS": "jddp.runtime",
+    "batch_sharding": "jddp.runtime",
+    "data_mesh": "jddp.runtime",
+    "is_main_process": "jddp.runtime",
+    "process_count": "jddp.runtime",
+    "process_index": "jddp.runtime",
+    "replicated": "jddp.runtime",
+    "simulate_cpu_devices": "jddp.runtime",
+    "initialize": "jddp.distributed",
+    "barrier": "jddp.distributed",
+    "ProcessGroup": "jddp.distributed",
+    "EXIT_PEER_LOST": "jddp.exitcodes",
+    "EXIT_PREEMPTED": "jddp.exitcodes",
+    "CommReport": "jddp.engine.comm",
+    "DataParallel": "jddp.engine.parallel",
+    "NonFiniteError": "jddp.engine.parallel",
+    "Weighted": "jddp.engine.reduce",
+    "masked_mean": "jddp.engine.reduce",
+    "TrainState": "jddp.engine.state",
+}
+_SUBMODULES = ("data", "models")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"jddp.{name}")
+    else:
+        raise AttributeError(f"module 'jddp' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from jddp import data, models
+    from jddp.distributed import ProcessGroup, barrier, initialize
+    from jddp.engine.comm import CommReport
+    from jddp.engine.parallel import DataParallel, NonFiniteError
+    from jddp.engine.reduce import Weighted, masked_mean
+    from jddp.engine.state import TrainState
+    from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
+    from jddp.runtime import (
+        DATA_AXIS,
+        batch_sharding,
+        data_mesh,
+        is_main_process,
+        process_count,
+        process_index,
+        replicated,
+        simulate_cpu_devices,
+    )

@@ -1,4 +1,4 @@
-"""The ``jddp`` command: ``jddp --version``, ``jddp info``.
+"""The ``jddp`` command: ``jddp --version``, ``jddp info``, ``jddp launch``.
 
 Subcommands import JAX only when they run, so that ``jddp launch`` (the parent
 of the worker processes) never starts a JAX backend.
@@ -19,6 +19,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print JAX version, backend, devices per process and process count")
     info.add_argument(
         "--simulate-devices", type=int, default=None, metavar="N", help="simulate N CPU devices first (for a dry run)"
+    )
+    sub.add_parser(
+        "launch", help="run a script as several processes, restart on failure (see `jddp launch --help`)", add_help=False
     )
     return parser
 
@@ -45,6 +48,11 @@ def info(simulate_devices: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        from jddp import launch
+
+        return launch.main(argv[1:])
     parser = get_args_parser()
     args = parser.parse_args(argv)
     if args.command == "info":

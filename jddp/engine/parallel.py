@@ -178,7 +178,10 @@ class DataParallel:
         """Builds the replicated ``TrainState``.
 
         The state is made from host copies of ``params`` and ``model_state``, so
-        donating it later never deletes the caller's arrays.
+        donating it later never deletes the caller's arrays. In a run of several
+        processes, every replica starts from process 0's values (broadcast, as
+        DDP's constructor does), and a checksum of the placed state is compared
+        across processes.
 
         Args:
           params: a pytree of arrays (NumPy or JAX).
@@ -190,20 +193,26 @@ class DataParallel:
 
         Raises:
           TypeError: if a leaf of ``params`` or ``model_state`` is not an array.
+          AssertionError: if, after the broadcast, a process holds other values
+            (names the process and the leaf).
         """
         params = _host_copy(params, "params")
         model_state = _host_copy({} if model_state is None else model_state, "model_state")
         key = _key_data(rng)
+        dispatch.DISPATCHER.drain()
+        params, model_state, key = replicas.broadcast_from_process_0((params, model_state, key))
         put = functools.partial(replicas.put_replicated, sharding=self._rep)
         params = jax.tree.map(put, params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._rep)(params)
-        return state_lib.TrainState(
+        state = state_lib.TrainState(
             step=put(np.zeros((), np.int32)),
             params=params,
             opt_state=opt_state,
             model_state=jax.tree.map(put, model_state),
             rng=put(key),
         )
+        replicas.assert_same_on_every_process(state, "state")
+        return state
 
     # ----------------------------------------------------------------- step
 
@@ -294,9 +303,13 @@ class DataParallel:
         return comm.CommReport.from_hlo(compiled.as_text(), reduce_dtype=self.options.reduce_dtype)
 
     def assert_replicas_identical(self, state: state_lib.TrainState) -> None:
-        """Raises ``AssertionError`` naming the leaf and device where replicas differ."""
+        """Raises ``AssertionError`` naming the leaf and the device or process where replicas differ.
+
+        In a run of several processes this is a collective: call it on every process.
+        """
         dispatch.DISPATCHER.drain()
         replicas.assert_identical(state)
+        replicas.assert_same_on_every_process(state, "state")
 
     # ------------------------------------------------------------ validation
 

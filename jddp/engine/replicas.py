@@ -40,3 +40,54 @@ def assert_identical(tree) -> None:
                     f"differs from device {shards[0].device} (max abs difference "
                     f"{np.max(np.abs(data.astype(np.float64) - reference.astype(np.float64)))})."
                 )
+
+
+def broadcast_from_process_0(tree):
+    """Process 0's value of ``tree`` (host arrays of equal shapes everywhere), on every process.
+
+    DDP's constructor does the same: replicas start from rank 0's parameters,
+    whatever seed each process used. A single process gets ``tree`` back.
+    """
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+
+
+def leaf_digests(tree) -> np.ndarray:
+    """One 32-bit digest per leaf (path, dtype, shape and bytes of its first addressable shard)."""
+    import hashlib
+
+    digests = []
+    for path, leaf in jax.tree.leaves_with_path(tree):
+        data = np.asarray(leaf.addressable_shards[0].data if isinstance(leaf, jax.Array) else leaf)
+        h = hashlib.blake2b(digest_size=4)
+        h.update(f"{jax.tree_util.keystr(path)}|{data.dtype}|{data.shape}|".encode())
+        h.update(np.ascontiguousarray(data).tobytes())
+        digests.append(int.from_bytes(h.digest(), "little"))
+    return np.asarray(digests, np.uint32)
+
+
+def assert_same_on_every_process(tree, what: str = "state") -> None:
+    """Compares per-leaf digests of ``tree`` across processes (a collective: every process must call it).
+
+    Raises:
+      AssertionError: naming the processes whose value differs from process 0's
+        and the first leaf that differs.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    local = leaf_digests(tree)
+    every = np.asarray(multihost_utils.process_allgather(local))  # [processes, leaves]
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(tree)]
+        first = int(np.flatnonzero(every[differ[0]] != every[0])[0])
+        raise AssertionError(
+            f"The {what} differs between processes: process(es) {differ} differ from process 0, first at "
+            f"{what}{paths[first]}. Every process must build the same model, and jddp broadcasts process 0's "
+            "values in `DataParallel.init`; a difference afterwards means a process updated its state on its own."
+        )
