@@ -34,7 +34,31 @@ _EXPORTS = {
 }
 _SUBMODULES = ("data", "models")
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+__all__ = [
+    "DATA_AXIS",
+    "EXIT_PEER_LOST",
+    "EXIT_PREEMPTED",
+    "CommReport",
+    "DataParallel",
+    "NonFiniteError",
+    "ProcessGroup",
+    "TrainState",
+    "Weighted",
+    "__version__",
+    "barrier",
+    "batch_sharding",
+    "data",
+    "data_mesh",
+    "initialize",
+    "is_main_process",
+    "masked_mean",
+    "models",
+    "process_count",
+    "process_index",
+    "replicated",
+    "simulate_cpu_devices",
+]
+assert sorted(__all__) == sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 
 def __getattr__(name: str):

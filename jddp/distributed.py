@@ -138,7 +138,8 @@ def _check_port_free(host: str, port: int) -> None:
                     "cannot start the coordination service there. Pick another port (`jddp launch --coordinator "
                     f"{host}:<port>`), or leave --coordinator out and jddp launch picks a free one.",
                 ) from None
-            raise OSError(e.errno, f"Process 0 cannot bind the coordinator address {host}:{port}: {e.strerror}.") from None
+            message = f"Process 0 cannot bind the coordinator address {host}:{port}: {e.strerror}."
+            raise OSError(e.errno, message) from None
 
 
 def _wait_reachable(host: str, port: int, deadline: float, process_id: int, num_processes: int) -> None:
@@ -161,9 +162,7 @@ def _wait_reachable(host: str, port: int, deadline: float, process_id: int, num_
 def _cluster_detected() -> bool:
     from jax._src import clusters
 
-    return any(
-        not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types
-    )
+    return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
 
 
 def _own_address_toward(host: str, port: int) -> str:
@@ -245,8 +244,10 @@ def initialize(
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
     local_devices = local_devices if local_devices is not None else _env_int(ENV_LOCAL_DEVICES)
-    init_timeout_s = init_timeout_s if init_timeout_s is not None else _env_float(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
-    peer_timeout_s = peer_timeout_s if peer_timeout_s is not None else _env_float(ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT_S)
+    if init_timeout_s is None:
+        init_timeout_s = _env_float(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
+    if peer_timeout_s is None:
+        peer_timeout_s = _env_float(ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT_S)
 
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(

@@ -121,9 +121,7 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
     parser.add_argument(
         "--peer-timeout", type=float, default=None, metavar="S", help="seconds before a silent peer counts as dead"
     )
-    parser.add_argument(
-        "--no-malloc-tuning", action="store_true", help="do not set GLIBC_TUNABLES for the processes"
-    )
+    parser.add_argument("--no-malloc-tuning", action="store_true", help="do not set GLIBC_TUNABLES for the processes")
     parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="the script (or module with -m) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -323,7 +321,8 @@ class Launcher:
             if failed:
                 causes = [w for w in failed if not exitcodes.is_peer_failure(w.code)]
                 first_failed = (causes or failed)[0]
-                self.say(f"process {first_failed.process_id} {exitcodes.describe(first_failed.code)}; stopping the others")
+                what = exitcodes.describe(first_failed.code)
+                self.say(f"process {first_failed.process_id} {what}; stopping the others")
                 self.stop_all(self.args.kill_grace)
                 return "failed", first_failed
             if all(w.code is not None for w in self.workers):
@@ -352,7 +351,8 @@ class Launcher:
                     return 128 + self.signal_received
                 if attempt < self.args.max_restarts and self.signal_received is None:
                     attempt += 1
-                    self.say(f"{self.summary(first_failed)}\nrestarting the group ({attempt} of {self.args.max_restarts})")
+                    restarts = f"{attempt} of {self.args.max_restarts}"
+                    self.say(f"{self.summary(first_failed)}\nrestarting the group ({restarts})")
                     continue
                 self.say(f"{self.summary(first_failed)}\nno restart left (--max-restarts {self.args.max_restarts})")
                 code = first_failed.code

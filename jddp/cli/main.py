@@ -21,7 +21,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--simulate-devices", type=int, default=None, metavar="N", help="simulate N CPU devices first (for a dry run)"
     )
     sub.add_parser(
-        "launch", help="run a script as several processes, restart on failure (see `jddp launch --help`)", add_help=False
+        "launch", help="run a script as several processes; restart on failure (`jddp launch --help`)", add_help=False
     )
     return parser
 
