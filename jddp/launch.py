@@ -319,8 +319,9 @@ class Launcher:
             self.poll()
             failed = [w for w in self.workers if w.code not in (None, 0, exitcodes.EXIT_PREEMPTED)]
             if failed:
-                causes = [w for w in failed if not exitcodes.is_peer_failure(w.code)]
-                first_failed = (causes or failed)[0]
+                # Of the processes found dead in the same round, a killed one is the likeliest cause,
+                # and one that lost a peer the least likely.
+                first_failed = min(failed, key=lambda w: (exitcodes.is_peer_failure(w.code), w.code >= 0))
                 what = exitcodes.describe(first_failed.code)
                 self.say(f"process {first_failed.process_id} {what}; stopping the others")
                 self.stop_all(self.args.kill_grace)

@@ -1,4 +1,4 @@
-"""Runs a worker script in several real JAX processes on 127.0.0.1 (never in pytest's own process)."""
+"""Runs worker scripts as several real JAX processes on 127.0.0.1 (never in pytest's own process)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "workers"
 
 
 def free_port() -> int:
@@ -17,29 +18,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(script: str, nprocs: int, devices_per_process: int, *args: str, timeout: float = 180) -> list[str]:
-    """Runs ``script`` as ``nprocs`` processes; returns their outputs or fails showing all of them.
+def environment(**extra: str) -> dict[str, str]:
+    """This environment for a worker: the repository importable, no inherited device flags."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("XLA_FLAGS", None)
+    for name in ("JDDP_COORDINATOR", "JDDP_NUM_PROCESSES", "JDDP_PROCESS_ID", "JDDP_LOCAL_DEVICES"):
+        if name not in extra:
+            env.pop(name, None)
+    return env
+
+
+def spawn(script: str, nprocs: int, devices_per_process: int, *args: str, **extra_env: str) -> list[subprocess.Popen]:
+    """Starts ``script`` as ``nprocs`` processes of one group, without the launcher.
 
     Each process gets ``JDDP_COORDINATOR``, ``JDDP_NUM_PROCESSES``,
-    ``JDDP_PROCESS_ID`` and ``JDDP_LOCAL_DEVICES``.
+    ``JDDP_PROCESS_ID`` and ``JDDP_LOCAL_DEVICES``, as ``jddp launch`` would set them.
     """
     port = free_port()
     procs = []
     for i in range(nprocs):
-        env = {
-            **os.environ,
-            "JDDP_COORDINATOR": f"127.0.0.1:{port}",
-            "JDDP_NUM_PROCESSES": str(nprocs),
-            "JDDP_PROCESS_ID": str(i),
-            "JDDP_LOCAL_DEVICES": str(devices_per_process),
-            "PYTHONPATH": str(ROOT),
-        }
-        env.pop("XLA_FLAGS", None)
+        env = environment(
+            JDDP_COORDINATOR=f"127.0.0.1:{port}",
+            JDDP_NUM_PROCESSES=str(nprocs),
+            JDDP_PROCESS_ID=str(i),
+            JDDP_LOCAL_DEVICES=str(devices_per_process),
+            **extra_env,
+        )
         procs.append(
             subprocess.Popen(
                 [sys.executable, script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
+    return procs
+
+
+def collect(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | str], list[str]]:
+    """Waits for every process; returns their exit codes ("timeout" for one killed at the deadline) and outputs."""
     outputs, codes = [], []
     try:
         for p in procs:
@@ -50,9 +64,31 @@ def run(script: str, nprocs: int, devices_per_process: int, *args: str, timeout:
         for p in procs:
             p.kill()
         outputs = [p.communicate()[0] for p in procs]
-        codes = ["timeout"] * nprocs
+        codes = ["timeout"] * len(procs)
+    return codes, outputs
+
+
+def show(codes, outputs) -> str:
+    return "\n".join(
+        f"--- process {i} (exit {c}) ---\n{o}" for i, (c, o) in enumerate(zip(codes, outputs, strict=True))
+    )
+
+
+def run(script: str, nprocs: int, devices_per_process: int, *args: str, timeout: float = 180) -> list[str]:
+    """Runs ``script`` as ``nprocs`` processes; returns their outputs or fails showing all of them."""
+    codes, outputs = collect(spawn(script, nprocs, devices_per_process, *args), timeout)
     if any(c != 0 for c in codes):
-        pairs = enumerate(zip(codes, outputs, strict=True))
-        shown = "\n".join(f"--- process {i} (exit {c}) ---\n{o}" for i, (c, o) in pairs)
-        raise AssertionError(f"{script} failed:\n{shown}")
+        raise AssertionError(f"{script} failed:\n{show(codes, outputs)}")
     return outputs
+
+
+def launch(*argv: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs ``python -m jddp.launch *argv`` and returns its result (stdout and stderr kept apart)."""
+    return subprocess.run(
+        [sys.executable, "-m", "jddp.launch", *argv],
+        env=environment(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )

@@ -1,25 +1,16 @@
 """Worker: each process reads only its slice; the assembled global batch equals one process's."""
 
 import json
-import os
 import sys
 
-import jax
+import jddp
 
-jax.config.update("jax_num_cpu_devices", int(os.environ["JDDP_LOCAL_DEVICES"]))
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(
-    os.environ["JDDP_COORDINATOR"],
-    int(os.environ["JDDP_NUM_PROCESSES"]),
-    int(os.environ["JDDP_PROCESS_ID"]),
-    coordinator_bind_address=os.environ["JDDP_COORDINATOR"],
-    initialization_timeout=60,
-)
+jddp.initialize()
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-import jddp  # noqa: E402
 from jddp.data.sampler import DistributedSampler  # noqa: E402
 from tests.test_loader import CountingSource  # noqa: E402
 

@@ -1,0 +1,258 @@
+"""The multi-process runtime and ``jddp launch``, with real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import jddp
+from jddp import exitcodes
+from tests import multiprocess
+
+pytestmark = pytest.mark.multiprocess
+
+GROUP = str(multiprocess.WORKERS / "group.py")
+TRAIN = str(multiprocess.WORKERS / "train_mlp.py")
+
+
+def lines_with(text: str, marker: str) -> list[str]:
+    return [line for line in text.splitlines() if marker in line]
+
+
+# ------------------------------------------------------------ equivalence
+
+
+def test_every_topology_trains_to_the_same_parameters(tmp_path):
+    """2 processes x 2 devices and 4 x 1 equal 1 process x 4 devices and one device (1e-6, 20 AdamW steps).
+
+    Process 1 starts from other parameters: init must broadcast process 0's.
+    """
+    outputs = {}
+    for name, devices in (("1x1", 1), ("1x4", 4)):
+        done = subprocess.run(
+            [sys.executable, TRAIN, str(tmp_path / f"{name}.npz")],
+            env=multiprocess.environment(JDDP_LOCAL_DEVICES=str(devices)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        outputs[name] = done.stdout
+    for name, n, d in (("2x2", 2, 2), ("4x1", 4, 1)):
+        done = multiprocess.launch("-n", str(n), "--devices-per-process", str(d), TRAIN, str(tmp_path / f"{name}.npz"))
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs[name] = done.stdout
+        assert f"processes={n}" in done.stdout
+    reference = dict(np.load(tmp_path / "1x1.npz"))
+    for name in ("1x4", "2x2", "4x1"):
+        params = dict(np.load(tmp_path / f"{name}.npz"))
+        assert params.keys() == reference.keys()
+        worst = max(float(np.max(np.abs(params[k] - reference[k]))) for k in reference)
+        assert worst <= 1e-6, (name, worst)
+
+
+def test_init_names_the_process_whose_state_differs():
+    """With the broadcast disabled, process 1's different values are caught by the checksum, on both processes."""
+    done = multiprocess.launch("-n", "2", GROUP, "diverge")
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = lines_with(done.stdout, "DIVERGED")
+    assert len(found) == 2
+    assert all("process(es) [1] differ from process 0, first at state.params['w']" in line for line in found)
+
+
+# ------------------------------------------------------------ the launcher
+
+
+def test_launcher_prefixes_output_filters_gloo_and_propagates_the_exit_code():
+    code = (
+        "import sys, jddp.launch as launch\n"
+        "rc = launch.main(sys.argv[1:])\n"
+        "assert 'jax' not in sys.modules, 'the launcher imported JAX'\n"
+        "sys.exit(rc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "-n", "2", "--devices-per-process", "2", GROUP, "hello"],
+        env=multiprocess.environment(EXIT_CODE_1="3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=multiprocess.ROOT,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "[0] HELLO 0 [[0], [1]]" in done.stdout
+    assert "[1] HELLO 1 [[0], [1]]" in done.stdout
+    assert "Gloo" not in done.stdout + done.stderr
+    for line in done.stdout.splitlines():
+        assert line[:4] in ("[0] ", "[1] "), line
+    assert "first failure: process 1, failed with exit code 3" in done.stderr
+    assert "the launcher imported JAX" not in done.stderr
+
+
+def test_sigkilled_worker_restarts_the_group_and_the_run_completes():
+    done = multiprocess.launch(
+        "-n", "2", "--max-restarts", "1", "--kill-grace", "1", "--peer-timeout", "5", GROUP, "die", "1", "12", "1"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "process 1 killed by SIGKILL; stopping the others" in done.stderr
+    assert "restarting the group (1 of 1)" in done.stderr
+    assert lines_with(done.stdout, "DONE") == ["[0] DONE 0 attempt 1", "[1] DONE 1 attempt 1"] or sorted(
+        lines_with(done.stdout, "DONE")
+    ) == ["[0] DONE 0 attempt 1", "[1] DONE 1 attempt 1"]
+    assert len(lines_with(done.stdout, "KILLING")) == 1
+
+
+def test_sigkilled_worker_without_restarts_fails_with_a_summary():
+    done = multiprocess.launch("-n", "2", "--kill-grace", "1", "--peer-timeout", "5", GROUP, "die", "1", "12", "1")
+    assert done.returncode == 128 + signal.SIGKILL, done.stdout + done.stderr
+    assert "summary:" in done.stderr
+    assert "first failure: process 1, killed by SIGKILL" in done.stderr
+    assert "no restart left (--max-restarts 0)" in done.stderr
+    assert not lines_with(done.stdout, "DONE")
+
+
+def test_sigterm_is_forwarded_and_every_process_stops_at_the_same_step():
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jddp.launch", "-n", "2", "--term-timeout", "60", GROUP, "preempt"],
+        env=multiprocess.environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=multiprocess.ROOT,
+    )
+    ready = 0
+    for line in launcher.stdout:
+        ready += "READY" in line
+        if ready == 2:
+            break
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == exitcodes.EXIT_PREEMPTED, out + err
+    stops = sorted(lines_with(out, "PREEMPTED"))
+    assert len(stops) == 2, out
+    assert stops[0].split(" at step ")[1] == stops[1].split(" at step ")[1]
+    assert "got SIGTERM; forwarding it to every process" in err
+
+
+def test_every_socket_of_a_local_run_is_on_loopback():
+    """Each process lists the TCP sockets it holds (/proc/self/fd inodes matched in /proc/self/net/tcp{,6})."""
+    done = multiprocess.launch("-n", "2", "--devices-per-process", "2", GROUP, "sockets")
+    assert done.returncode == 0, done.stdout + done.stderr
+    tables = [json.loads(line.split("SOCKETS ", 1)[1]) for line in lines_with(done.stdout, "SOCKETS ")]
+    assert len(tables) == 2
+    listening = [local for table in tables for state, local, _ in table if state == "LISTEN"]
+    assert len(listening) >= 3  # the coordinator and one gloo listener per process
+    for table in tables:
+        for state, local, remote in table:
+            assert local.startswith("127."), (state, local, remote)
+            if state == "ESTABLISHED":
+                assert remote.startswith("127."), (state, local, remote)
+
+
+def test_launcher_rejects_bad_arguments_before_starting_anything():
+    done = multiprocess.launch("-n", "0", GROUP, "hello")
+    assert done.returncode == 2 and "-n/--nprocs must be at least 1, got 0" in done.stderr
+    done = multiprocess.launch("--nnodes", "2", GROUP, "hello")
+    assert done.returncode == 2 and "--nnodes > 1 needs --coordinator" in done.stderr
+    done = multiprocess.launch("does_not_exist.py")
+    assert done.returncode == 2 and "script 'does_not_exist.py' does not exist" in done.stderr
+    assert "started processes" not in done.stderr
+
+
+# ------------------------------------------------------------ failure detection
+
+
+def test_survivor_of_a_killed_peer_exits_within_the_bound_naming_it():
+    """No launcher: process 1 SIGKILLs itself; process 0 must end with EXIT_PEER_LOST within peer timeout + 10 s."""
+    peer_timeout = 5
+    procs = multiprocess.spawn(GROUP, 2, 1, "die", "1", "1000", "1", JDDP_PEER_TIMEOUT=str(peer_timeout))
+    codes, outputs = multiprocess.collect(procs, timeout=120)
+    ended = time.time()
+    assert codes[1] == -signal.SIGKILL, multiprocess.show(codes, outputs)
+    assert codes[0] == exitcodes.EXIT_PEER_LOST, multiprocess.show(codes, outputs)
+    killed_at = float(lines_with(outputs[1], "KILLING")[0].split()[1])
+    assert ended - killed_at < peer_timeout + 10, multiprocess.show(codes, outputs)
+    assert "jddp: process 0 of 2 lost process(es) [1]" in outputs[0]
+
+
+def test_barrier_times_out_naming_the_missing_process():
+    codes, outputs = multiprocess.collect(multiprocess.spawn(GROUP, 2, 1, "barrier"), timeout=120)
+    assert codes == [0, 0], multiprocess.show(codes, outputs)
+    assert (
+        "TIMEOUT jddp.barrier('sync') call 1 timed out after 2 s on process 0: process(es) [1] did not arrive"
+        in (outputs[0])
+    )
+
+
+# ------------------------------------------------------------ initialize's errors
+
+
+def run_initialize(timeout: float = 60, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    code = (
+        "import jddp\n"
+        "try:\n"
+        "    jddp.initialize(init_timeout_s=3)\n"
+        "except Exception as e:\n"
+        "    print(f'ERROR {type(e).__name__}: {e}')\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=multiprocess.environment(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, time.monotonic() - start
+
+
+def test_unreachable_coordinator_fails_within_the_timeout_with_a_python_error():
+    port = multiprocess.free_port()  # nobody listens there
+    done, seconds = run_initialize(JDDP_COORDINATOR=f"127.0.0.1:{port}", JDDP_NUM_PROCESSES="2", JDDP_PROCESS_ID="1")
+    assert done.returncode == 0, done.stderr
+    assert (
+        f"ERROR TimeoutError: jddp.initialize: process 1 of 2 could not reach the coordinator at 127.0.0.1:{port}"
+        in (done.stdout)
+    )
+    assert seconds < 3 + 10
+
+
+def test_coordinator_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done, _ = run_initialize(JDDP_COORDINATOR=f"127.0.0.1:{port}", JDDP_NUM_PROCESSES="2", JDDP_PROCESS_ID="0")
+    assert f"ERROR OSError: [Errno 98] The coordinator address 127.0.0.1:{port} is already in use" in done.stdout
+
+
+def test_process_id_must_be_below_the_process_count(monkeypatch):
+    monkeypatch.setenv("JDDP_COORDINATOR", "127.0.0.1:29500")
+    monkeypatch.setenv("JDDP_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JDDP_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match=r"process_id=2 \(JDDP_PROCESS_ID\) must be in \[0, num_processes=2\)"):
+        jddp.initialize()
+
+
+def test_initialize_after_the_backend_started_is_a_clear_error(monkeypatch):
+    import jax
+
+    monkeypatch.setenv("JDDP_COORDINATOR", "127.0.0.1:29500")
+    monkeypatch.setenv("JDDP_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JDDP_PROCESS_ID", "1")
+    jax.devices()  # pytest's process runs JAX already
+    with pytest.raises(RuntimeError, match=r"must run before JAX starts its backend"):
+        jddp.initialize()
+
+
+def test_exit_code_descriptions():
+    assert exitcodes.describe(-6).startswith("aborted (SIGABRT)")
+    assert exitcodes.describe(137) == "killed by SIGKILL"
+    assert exitcodes.is_peer_failure(exitcodes.EXIT_PEER_LOST) and exitcodes.is_peer_failure(134)
+    assert not exitcodes.is_peer_failure(1)
