@@ -5,6 +5,7 @@ MNIST-1D (Greydanus 2020) is generated locally by the ``mnist1d`` package:
 by default; nothing is downloaded.
 
     python -m examples.mnist1d.train devices=8 epochs=30
+    jddp launch -n 2 --devices-per-process 4 -m examples.mnist1d.train epochs=30
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    devices: int = 8  # simulated CPU devices in this process (0: use what JAX has)
+    devices: int = 0  # simulated CPU devices per process (0: $JDDP_LOCAL_DEVICES under jddp launch, else JAX's)
     epochs: int = 30  # passes over the training set
     global_batch_size: int = 128  # examples per step over all devices
     learning_rate: float = 3e-3  # AdamW learning rate
@@ -75,8 +76,7 @@ def main(config: Config) -> dict[str, float]:
     """Trains and returns the final metrics (train loss, test loss and accuracy)."""
     import jddp
 
-    if config.devices:
-        jddp.simulate_cpu_devices(config.devices)
+    jddp.initialize(local_devices=config.devices or None)  # joins the group under `jddp launch`
     import jax
     import optax
 
