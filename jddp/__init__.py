@@ -31,6 +31,8 @@ _EXPORTS = {
     "Weighted": "jddp.engine.reduce",
     "masked_mean": "jddp.engine.reduce",
     "TrainState": "jddp.engine.state",
+    "Checkpointer": "jddp.checkpoint",
+    "CheckpointWarning": "jddp.checkpoint",
 }
 _SUBMODULES = ("data", "models")
 
@@ -38,6 +40,8 @@ __all__ = [
     "DATA_AXIS",
     "EXIT_PEER_LOST",
     "EXIT_PREEMPTED",
+    "CheckpointWarning",
+    "Checkpointer",
     "CommReport",
     "DataParallel",
     "NonFiniteError",
@@ -78,6 +82,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from jddp import data, models
+    from jddp.checkpoint import Checkpointer, CheckpointWarning
     from jddp.distributed import ProcessGroup, barrier, initialize
     from jddp.engine.comm import CommReport
     from jddp.engine.parallel import DataParallel, NonFiniteError

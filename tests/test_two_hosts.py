@@ -24,7 +24,8 @@ pytestmark = pytest.mark.multiprocess
 TESTBED = multiprocess.ROOT.parent / "shared" / "tools" / "netns_testbed.sh"
 SCRIPT = """
 set -e
-mount -t tmpfs netns-private /run/netns 2>/dev/null || {{ mkdir -p /run/netns && mount -t tmpfs netns-private /run/netns; }}
+mkdir -p /run/netns
+mount -t tmpfs netns-private /run/netns
 TMPDIR={tmp} NS_PREFIX=jddpt bash {testbed} setup > {tmp}/setup.log 2>&1
 for rank in 0 1; do
   ns=jddpt-a; [ $rank = 1 ] && ns=jddpt-b

@@ -1,0 +1,503 @@
+"""Checkpoints of the complete training state on Orbax: async, atomic, verified, resumable anywhere.
+
+    ckpt = jddp.Checkpointer("runs/exp1/ckpt", save_every=500, max_to_keep=3, config=config)
+    state, loader = ckpt.restore_or_init(state, loader)   # resumes, or keeps `state` when there is nothing
+    for batch in loader:
+        state, metrics = dp.step(state, batch)
+        ckpt.maybe_save(state, loader)                      # every 500 steps; on SIGTERM: save and exit 75
+    ckpt.save(state, loader); ckpt.close()
+
+What a checkpoint (one directory per step, written by Orbax's
+``CheckpointManager``) holds:
+
+* ``state``: the ``TrainState`` (step, parameters, optimizer state, model
+  state, RNG), every leaf as an array;
+* ``loader``: the data loader's position (``DataLoader.get_state()``), global,
+  so it resumes on any number of processes;
+* ``meta``: the step, the process and device counts, the jddp, JAX and Orbax
+  versions, a fingerprint of the config, the path, shape and dtype of every
+  state leaf, and a 64-bit digest of every leaf's bytes.
+
+Guarantees:
+
+* **Async.** ``save`` returns once the arrays are copied off the devices (tens
+  of ms); the files are written in the background. ``close`` waits.
+* **Atomic.** Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames
+  when complete; a kill at any instant leaves the previous checkpoint intact.
+  Leftover temporary directories are removed when a ``Checkpointer`` opens the
+  directory.
+* **Verified.** Orbax does not checksum: flipped bytes restore as garbage. jddp
+  recomputes each leaf's digest after a restore. A damaged checkpoint (missing
+  or truncated files, a digest mismatch) produces a warning naming the step and
+  the reason, is renamed to ``<step>.damaged``, and the next older one is tried.
+  Every process takes the same decision (the outcome of each attempt is
+  all-gathered).
+* **Any topology.** The state is restored into the shardings of the ``state``
+  passed to ``restore_or_init`` (Orbax reshards), and the loader continues the
+  same global batch sequence on any process count.
+* **Preemption.** On SIGTERM (to any process, e.g. forwarded by ``jddp launch``
+  or sent by a scheduler) the processes agree on a step (JAX's preemption sync
+  point in a group; a signal handler in a single process), ``maybe_save`` saves
+  that step, waits for the write, and raises ``SystemExit(75)``
+  (``jddp.EXIT_PREEMPTED``). Running again resumes.
+* **Agreement.** ``maybe_save`` decides from a step counter every process
+  keeps the same way (call it once per step on every process), never from local
+  state. Every process takes part in every save (Orbax writes each process's
+  shards and synchronises with time-limited barriers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp import exitcodes
+from jddp._version import __version__
+from jddp.engine import dispatch
+from jddp.engine.state import TrainState
+
+STATE, LOADER, META = "state", "loader", "meta"
+DAMAGED_SUFFIX = ".damaged"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint could not be used (damaged); an older one is used instead."""
+
+
+# --------------------------------------------------------------------- digests
+
+
+def _leaf_digest(x: jax.Array) -> jax.Array:
+    """Two position-weighted sums of the leaf's bits, mod 2^32 (odd weights: any one changed element shows)."""
+    if x.dtype.itemsize == 4:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif x.dtype.itemsize == 1:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    else:  # 8-byte types: two words per element
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits.reshape(-1)
+    i = jnp.arange(bits.size, dtype=jnp.uint32)
+    w1 = (i * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) | jnp.uint32(1)
+    w2 = (i * jnp.uint32(0x85EBCA77) + jnp.uint32(0x165667B1)) | jnp.uint32(1)
+    return jnp.stack([jnp.sum(bits * w1, dtype=jnp.uint32), jnp.sum((bits ^ (i + 1)) * w2, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _digests(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([_leaf_digest(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+
+
+def state_digests(tree) -> list[str]:
+    """One 64-bit hex digest per leaf of ``tree``, computed on the devices."""
+    leaves = jax.tree.leaves(tree)
+    values = np.asarray(jax.device_get(_digests(leaves)))
+    return [f"{int(a):08x}{int(b):08x}" for a, b in values]
+
+
+def _describe_leaves(tree) -> list[list]:
+    return [
+        [jax.tree_util.keystr(path), list(np.shape(x)), str(x.dtype)] for path, x in jax.tree.leaves_with_path(tree)
+    ]
+
+
+def _as_dict(state: TrainState) -> dict[str, Any]:
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+
+
+def config_fingerprint(config: Any) -> tuple[str, dict[str, Any]]:
+    """A stable fingerprint of a config (dataclass, OmegaConf config, mapping) and its JSON form."""
+    if config is None:
+        return "", {}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        plain = dataclasses.asdict(config)
+    elif type(config).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        plain = OmegaConf.to_container(config, resolve=True)
+    elif isinstance(config, Mapping):
+        plain = dict(config)
+    else:
+        raise TypeError(f"`config` must be a dataclass, an OmegaConf config or a mapping, got {type(config).__name__}.")
+    plain = json.loads(json.dumps(plain, sort_keys=True, default=str))
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16], plain
+
+
+# --------------------------------------------------------------------- agreement
+
+
+def _all_agree(flag: bool) -> bool:
+    """True only if ``flag`` is True on every process (a collective in a group)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32)))
+    return bool(flags.min())
+
+
+class _Preemption:
+    """SIGTERM seen by any process, agreed at one step by all."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.group = jax.process_count() > 1
+        self.installed = False
+        if not self.group and threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def handler(signum, frame):
+                self.flag.set()
+
+            if previous in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, handler)
+                self.installed = True
+
+    def reached(self, step: int) -> bool:
+        if self.group:
+            from jax.experimental import multihost_utils
+
+            try:
+                return bool(multihost_utils.reached_preemption_sync_point(step))
+            except RuntimeError:  # the preemption service is off (jax_enable_preemption_service=False)
+                return False
+        return self.flag.is_set()
+
+
+# --------------------------------------------------------------------- the checkpointer
+
+
+class Checkpointer:
+    """Saves and restores the complete training state; see the module docstring.
+
+    Args:
+      directory: where the step directories go (created; every process must be
+        able to write there, e.g. a shared file system for several hosts).
+      save_every: ``maybe_save`` saves when the step is a multiple of this;
+        ``None`` saves only on demand and on preemption.
+      max_to_keep: newest checkpoints kept (``None`` keeps all).
+      config: the run's config; its fingerprint is saved and checked on restore.
+      allow_config_change: restore a checkpoint whose config fingerprint
+        differs (a warning instead of an error).
+      async_save: write in the background (default) or block until written.
+      exit_on_preemption: after the preemption save, raise
+        ``SystemExit(EXIT_PREEMPTED)``; when False, ``maybe_save`` returns and
+        ``preempted`` becomes True.
+      timeout_s: limit for Orbax's barriers between processes during a save.
+
+    Raises:
+      PermissionError: if ``directory`` cannot be created or written.
+      ValueError: for bad options.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        save_every: int | None = None,
+        max_to_keep: int | None = 3,
+        config: Any = None,
+        allow_config_change: bool = False,
+        async_save: bool = True,
+        exit_on_preemption: bool = True,
+        timeout_s: int = 600,
+    ) -> None:
+        import orbax.checkpoint as ocp
+
+        if save_every is not None and (
+            isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
+        ):
+            raise ValueError(f"`save_every` must be a positive int or None, got {save_every!r}.")
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"`max_to_keep` must be a positive int or None, got {max_to_keep!r}.")
+        self.directory = Path(directory).absolute()
+        self._check_writable()
+        self.save_every, self.max_to_keep = save_every, max_to_keep
+        self.fingerprint, self.config = config_fingerprint(config)
+        self.allow_config_change = allow_config_change
+        self.exit_on_preemption = exit_on_preemption
+        self.preempted = False
+        self._ocp = ocp
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=True,
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
+        )
+        self._manager = self._open()
+        self._preemption = _Preemption()
+        self._step: int | None = None  # host-side step, the same on every process
+        self._last_saved: int | None = None
+        self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0}
+
+    # ---------------------------------------------------------------- basics
+
+    def _check_writable(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f".jddp-write-probe-{jax.process_index()}-{os.getpid()}"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as error:
+            raise PermissionError(
+                f"Checkpoint directory {str(self.directory)!r} is not writable by process {jax.process_index()} "
+                f"({error.strerror or error}). Choose a directory this user can write (on a file system every "
+                "process sees), or fix its permissions."
+            ) from None
+
+    def _open(self):
+        ocp = self._ocp
+        handlers = {
+            STATE: ocp.StandardCheckpointHandler(),
+            LOADER: ocp.JsonCheckpointHandler(),
+            META: ocp.JsonCheckpointHandler(),
+        }
+        return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
+
+    def all_steps(self) -> list[int]:
+        """Steps with a published checkpoint, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ---------------------------------------------------------------- saving
+
+    def save(self, state: TrainState, loader=None, *, wait: bool = False) -> int:
+        """Saves ``state`` (and ``loader``'s position) now, at the state's step; returns the step.
+
+        Every process must call it. With ``wait`` (or ``async_save=False``) it
+        returns when the checkpoint is published.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(f"`state` must be a jddp.TrainState, got {type(state).__name__}.")
+        dispatch.DISPATCHER.drain()
+        start = time.perf_counter()
+        tree = _as_dict(state)
+        step = int(jax.device_get(state.step))
+        self._step = step
+        if step == self._last_saved or step in self._manager.all_steps():
+            if wait:
+                self._manager.wait_until_finished()
+            return step
+        meta = {
+            "step": step,
+            "processes": jax.process_count(),
+            "devices": jax.device_count(),
+            "config_fingerprint": self.fingerprint,
+            "config": self.config,
+            "versions": {"jddp": __version__, "jax": jax.__version__, "orbax": _orbax_version()},
+            "leaves": _describe_leaves(tree),
+            "digests": state_digests(tree),
+            "time": time.time(),
+        }
+        ocp = self._ocp
+        items = {STATE: ocp.args.StandardSave(tree), META: ocp.args.JsonSave(meta)}
+        if loader is not None:
+            items[LOADER] = ocp.args.JsonSave(loader.get_state())
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._last_saved = step
+        self.stats["saves"] += 1
+        self.stats["blocked_s"] += time.perf_counter() - start
+        if wait:
+            self._manager.wait_until_finished()
+        return step
+
+    def maybe_save(self, state: TrainState, loader=None) -> bool:
+        """Call once per training step, on every process. Saves every ``save_every`` steps and on preemption.
+
+        Returns:
+          True if a checkpoint was started at this step.
+
+        Raises:
+          SystemExit: with ``EXIT_PREEMPTED`` (75) after the preemption save,
+            unless ``exit_on_preemption=False``.
+        """
+        if self._step is None:
+            self._step = int(jax.device_get(state.step))
+        else:
+            self._step += 1
+        step = self._step
+        if self._preemption.reached(step):
+            self.save(state, loader, wait=True)
+            self.preempted = True
+            if self.exit_on_preemption:
+                raise SystemExit(exitcodes.EXIT_PREEMPTED)
+            return True
+        if self.save_every is not None and step % self.save_every == 0:
+            self.save(state, loader)
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Waits until every started save is published."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the last save and releases Orbax's resources."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- restoring
+
+    def restore_or_init(self, state: TrainState, loader=None):
+        """The newest loadable checkpoint restored into ``state``'s shardings, or ``state`` itself.
+
+        Args:
+          state: a fresh state from ``DataParallel.init`` on the current mesh:
+            it gives the structure, shapes and shardings to restore into.
+          loader: a data loader whose position is restored too.
+
+        Returns:
+          ``state`` when no checkpoint exists, else the restored state; with a
+          ``loader``, the pair ``(state, loader)``.
+
+        Raises:
+          ValueError: if the checkpoint belongs to another model (names the first
+            leaf whose path, shape or dtype differs) or another config (unless
+            ``allow_config_change``), or another data setup (the loader says which).
+          RuntimeError: if checkpoints exist but none can be loaded.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(f"`state` must be a jddp.TrainState from DataParallel.init, got {type(state).__name__}.")
+        dispatch.DISPATCHER.drain()
+        start = time.perf_counter()
+        failures = []
+        restored = None
+        for step in reversed(self.all_steps()):
+            meta, reason = self._read_meta(step)
+            if meta is not None:
+                self._check_compatible(step, meta, state)  # a wrong model or config is an error, not damage
+                result, reason = self._try_restore(step, meta, state, loader)
+            ok = _all_agree(reason is None)
+            if ok:
+                restored = result
+                break
+            reason = reason or "damaged on another process"
+            failures.append((step, reason))
+            warnings.warn(
+                f"Checkpoint step {step} in {self.directory} cannot be used ({reason}); moving it to "
+                f"{step}{DAMAGED_SUFFIX} and trying the previous one.",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            self._set_aside(step)
+        if restored is None and failures:
+            listed = "; ".join(f"step {s}: {r}" for s, r in failures)
+            raise RuntimeError(f"No checkpoint in {self.directory} can be loaded ({listed}). They were set aside.")
+        self.stats["restore_s"] = time.perf_counter() - start
+        if restored is None:
+            self._step = int(jax.device_get(state.step))
+            return (state, loader) if loader is not None else state
+        new_state, loader_state, step = restored
+        if loader is not None and loader_state is not None:
+            loader.set_state(loader_state)
+        self._step = self._last_saved = step
+        return (new_state, loader) if loader is not None else new_state
+
+    def _read_meta(self, step: int) -> tuple[dict | None, str | None]:
+        path = self.directory / str(step) / META / "metadata"
+        try:
+            return json.loads(path.read_text()), None
+        except FileNotFoundError:
+            return None, f"its metadata file {path.relative_to(self.directory)} is missing"
+        except (OSError, ValueError) as error:
+            return None, f"its metadata cannot be read ({type(error).__name__}: {error})"
+
+    def _check_compatible(self, step: int, meta: dict, state: TrainState) -> None:
+        mine = _describe_leaves(_as_dict(state))
+        theirs = meta.get("leaves", [])
+        differ = [(a, b) for a, b in zip(theirs, mine, strict=False) if a != b]
+        differ.sort(key=lambda pair: not pair[1][0].startswith("['params']"))  # name a parameter first
+        for a, b in differ[:1]:
+            if a != b:
+                raise ValueError(
+                    f"Checkpoint step {step} in {self.directory} holds another model: its leaf {a[0]} has shape "
+                    f"{tuple(a[1])} and dtype {a[2]}, but the state here has {b[0]} with shape {tuple(b[1])} and dtype "
+                    f"{b[2]}. Restore into the model that was saved, or use another directory."
+                )
+        if len(theirs) != len(mine):
+            raise ValueError(
+                f"Checkpoint step {step} in {self.directory} holds another model: {len(theirs)} state leaves saved, "
+                f"{len(mine)} here. Restore into the model that was saved, or use another directory."
+            )
+        if self.fingerprint and meta.get("config_fingerprint") and meta["config_fingerprint"] != self.fingerprint:
+            saved = meta.get("config", {})
+            keys = sorted(k for k in set(saved) | set(self.config) if saved.get(k) != self.config.get(k))
+            changes = ", ".join(f"{k}: {saved.get(k)!r} -> {self.config.get(k)!r}" for k in keys) or "(details unknown)"
+            message = (
+                f"Checkpoint step {step} in {self.directory} was saved with another config ({changes}). "
+                "Pass allow_config_change=True to resume with the new config anyway, or use another directory."
+            )
+            if not self.allow_config_change:
+                raise ValueError(message)
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+    def _try_restore(self, step: int, meta: dict, state: TrainState, loader) -> tuple[Any, str | None]:
+        ocp = self._ocp
+        target = _as_dict(state)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+        items = {STATE: ocp.args.StandardRestore(abstract)}
+        has_loader = (self.directory / str(step) / LOADER).exists()
+        if loader is not None and has_loader:
+            items[LOADER] = ocp.args.JsonRestore()
+        try:
+            result = self._manager.restore(step, args=ocp.args.Composite(**items))
+            leaves = jax.tree.leaves(result[STATE])
+            tree = jax.tree.unflatten(jax.tree.structure(target), leaves)
+        except Exception as error:  # Orbax raises many types for damaged files
+            text = str(error).splitlines()[0] if str(error) else ""
+            return None, f"restore failed: {type(error).__name__}: {text[:300]}"
+        digests = state_digests(tree)
+        bad = [d[0] for d, got, want in zip(meta["leaves"], digests, meta["digests"], strict=True) if got != want]
+        if bad:
+            return None, f"digest mismatch in {len(bad)} leaf(s), first {bad[0]}"
+        if loader is not None and not has_loader:
+            return None, "it has no data loader position"
+        new_state = TrainState(**tree)
+        return (new_state, result[LOADER] if LOADER in items else None, step), None
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            source = self.directory / str(step)
+            target = self.directory / f"{step}{DAMAGED_SUFFIX}"
+            n = 1
+            while target.exists():
+                n += 1
+                target = self.directory / f"{step}{DAMAGED_SUFFIX}{n}"
+            if source.exists():
+                shutil.move(source, target)
+        if jax.process_count() > 1:
+            from jddp import distributed
+
+            distributed.barrier(f"checkpoint-set-aside-{step}", timeout_s=120)
+        self._manager = self._open()
+
+
+def _orbax_version() -> str:
+    from importlib.metadata import version
+
+    return version("orbax-checkpoint")

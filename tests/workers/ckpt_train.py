@@ -1,0 +1,83 @@
+"""Worker: trains with a Checkpointer, resuming from it; records which examples each step consumed.
+
+    python tests/workers/ckpt_train.py DIR STEPS [KILL_STEPS]
+
+DIR gets the checkpoints (DIR/ckpt), a log of consumed examples (DIR/consumed.jsonl,
+one line per step and attempt, written by process 0) and the final parameters
+(DIR/final.npz). KILL_STEPS (comma-separated) makes process 1 (process 0 when
+alone) SIGKILL itself after that step in attempt 0, 1, ... ($JDDP_RESTART_COUNT).
+TERM_AT=step makes that process send itself SIGTERM after that step.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import jddp
+
+jddp.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+out, steps = sys.argv[1], int(sys.argv[2])
+kills = [int(k) for k in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else []
+attempt = int(os.environ.get("JDDP_RESTART_COUNT", "0"))
+killer = min(1, jax.process_count() - 1)
+term_at = int(os.environ.get("TERM_AT", "-1"))
+
+rng = np.random.default_rng(0)
+source = {
+    "x": rng.normal(size=(300, 16)).astype(np.float32),
+    "y": rng.integers(0, 4, 300).astype(np.int32),
+    "id": np.arange(300, dtype=np.int32),
+}
+
+
+def loss_fn(params, model_state, batch, key):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    logits = h @ params["w2"]
+    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch.get("mask"))
+    return loss, (model_state, {})
+
+
+init = np.random.default_rng(1)
+params = {
+    "w1": init.normal(size=(16, 32)).astype(np.float32) * 0.3,
+    "b1": np.zeros(32, np.float32),
+    "w2": init.normal(size=(32, 4)).astype(np.float32) * 0.3,
+}
+dp = jddp.DataParallel(loss_fn, optax.adamw(1e-2), mesh=jddp.data_mesh())
+state = dp.init(params)
+loader = jddp.data.DataLoader(source, global_batch_size=24, seed=3)
+ckpt = jddp.Checkpointer(os.path.join(out, "ckpt"), save_every=4, max_to_keep=2, config={"lr": 1e-2})
+state, loader = ckpt.restore_or_init(state, loader)
+step = int(state.step)
+if jax.process_index() == 0:
+    print(f"RESUMED at step {step} attempt {attempt}", flush=True)
+log = open(os.path.join(out, "consumed.jsonl"), "a") if jax.process_index() == 0 else None
+while step < steps:
+    for batch in loader:
+        ids = np.asarray(multihost_utils.process_allgather(batch["id"], tiled=True))
+        mask = np.asarray(multihost_utils.process_allgather(batch["mask"], tiled=True))
+        state, metrics = dp.step(state, batch)
+        step += 1
+        if log:
+            log.write(json.dumps({"attempt": attempt, "step": step, "ids": ids[mask > 0].tolist()}) + "\n")
+            log.flush()
+        if attempt < len(kills) and step == kills[attempt] and jax.process_index() == killer:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == term_at and jax.process_index() == killer and attempt == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        ckpt.maybe_save(state, loader)
+        if step == steps:
+            break
+ckpt.save(state, loader)
+ckpt.close()
+if jax.process_index() == 0:
+    np.savez(os.path.join(out, "final.npz"), **{k: np.asarray(v) for k, v in state.params.items()})
+    print(f"FINISHED step {step}", flush=True)
