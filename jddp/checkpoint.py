@@ -48,6 +48,8 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -64,6 +66,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 from jddp import exitcodes
 from jddp._version import __version__
@@ -82,20 +85,26 @@ class CheckpointWarning(UserWarning):
 
 
 def _leaf_digest(x: jax.Array) -> jax.Array:
-    """Two position-weighted sums of the leaf's bits, mod 2^32 (odd weights: any one changed element shows)."""
-    if x.dtype.itemsize == 4:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    elif x.dtype.itemsize == 2:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    """Two weighted sums of the leaf's 32-bit words, mod 2^32.
+
+    The words form rows of 1024; one sum weights each word by an odd constant of
+    its column, the other weights each row's sum by an odd constant of its row.
+    Odd weights make any change of a single word change the first sum.
+    """
+    if x.dtype.itemsize == 2:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     elif x.dtype.itemsize == 1:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
-    else:  # 8-byte types: two words per element
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = bits.reshape(-1)
-    i = jnp.arange(bits.size, dtype=jnp.uint32)
-    w1 = (i * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) | jnp.uint32(1)
-    w2 = (i * jnp.uint32(0x85EBCA77) + jnp.uint32(0x165667B1)) | jnp.uint32(1)
-    return jnp.stack([jnp.sum(bits * w1, dtype=jnp.uint32), jnp.sum((bits ^ (i + 1)) * w2, dtype=jnp.uint32)])
+        words = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    else:  # 4 bytes, or two words per 8-byte element
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    words = words.reshape(-1)
+    pad = -words.size % 1024
+    rows = jnp.pad(words, (0, pad)).reshape(-1, 1024)
+    columns = (jnp.arange(1024, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
+    row_weights = (jnp.arange(rows.shape[0], dtype=jnp.uint32) * jnp.uint32(0x85EBCA77)) | jnp.uint32(1)
+    row_sums = jnp.sum(rows * columns[None, :], axis=1, dtype=jnp.uint32)
+    size = jnp.uint32(words.size)
+    return jnp.stack([jnp.sum(row_sums, dtype=jnp.uint32) ^ size, jnp.sum(row_sums * row_weights, dtype=jnp.uint32)])
 
 
 @jax.jit
@@ -103,11 +112,22 @@ def _digests(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack([_leaf_digest(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
 
 
+def digest_array(tree) -> jax.Array:
+    """Per-leaf digests of ``tree`` as a uint32 [leaves, 2] array, dispatched asynchronously.
+
+    A replicated leaf is digested once, on the device of its first local copy.
+    """
+    leaves = [x.addressable_shards[0].data if x.is_fully_replicated else x for x in jax.tree.leaves(tree)]
+    return _digests(leaves)
+
+
+def as_hex(digests) -> list[str]:
+    return [f"{int(a):08x}{int(b):08x}" for a, b in np.asarray(digests)]
+
+
 def state_digests(tree) -> list[str]:
-    """One 64-bit hex digest per leaf of ``tree``, computed on the devices."""
-    leaves = jax.tree.leaves(tree)
-    values = np.asarray(jax.device_get(_digests(leaves)))
-    return [f"{int(a):08x}{int(b):08x}" for a, b in values]
+    """One 64-bit hex digest per leaf of ``tree``."""
+    return as_hex(jax.device_get(digest_array(tree)))
 
 
 def _describe_leaves(tree) -> list[list]:
@@ -136,6 +156,37 @@ def config_fingerprint(config: Any) -> tuple[str, dict[str, Any]]:
         raise TypeError(f"`config` must be a dataclass, an OmegaConf config or a mapping, got {type(config).__name__}.")
     plain = json.loads(json.dumps(plain, sort_keys=True, default=str))
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16], plain
+
+
+class MetaHandler(ocp.JsonCheckpointHandler):
+    """Orbax's JSON handler, except that ``"digests"`` may be a future of a ``jax.Array``, read in the background.
+
+    ``Checkpointer.save`` dispatches the digest computation only after Orbax's
+    blocking part (the copy of the arrays off the devices), so it neither waits
+    for it nor delays that copy, and the digests still land inside the
+    checkpoint before it is published.
+    """
+
+    async def _save_fn(self, x, directory):
+        x = dict(x)
+        digests = x.get("digests")
+        if isinstance(digests, concurrent.futures.Future):
+            digests = await asyncio.wrap_future(digests)
+        if isinstance(digests, jax.Array):
+            x["digests"] = as_hex(await asyncio.to_thread(jax.device_get, digests))
+        await super()._save_fn(x, directory)
+
+
+@ocp.args.register_with_handler(MetaHandler, for_save=True)
+@dataclasses.dataclass
+class MetaSave(ocp.args.CheckpointArgs):
+    item: Mapping[str, Any]
+
+
+@ocp.args.register_with_handler(MetaHandler, for_restore=True)
+@dataclasses.dataclass
+class MetaRestore(ocp.args.CheckpointArgs):
+    item: Any = None
 
 
 # --------------------------------------------------------------------- agreement
@@ -217,8 +268,6 @@ class Checkpointer:
         exit_on_preemption: bool = True,
         timeout_s: int = 600,
     ) -> None:
-        import orbax.checkpoint as ocp
-
         if save_every is not None and (
             isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
         ):
@@ -232,7 +281,6 @@ class Checkpointer:
         self.allow_config_change = allow_config_change
         self.exit_on_preemption = exit_on_preemption
         self.preempted = False
-        self._ocp = ocp
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
@@ -262,11 +310,10 @@ class Checkpointer:
             ) from None
 
     def _open(self):
-        ocp = self._ocp
         handlers = {
             STATE: ocp.StandardCheckpointHandler(),
             LOADER: ocp.JsonCheckpointHandler(),
-            META: ocp.JsonCheckpointHandler(),
+            META: MetaHandler(),
         }
         return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
 
@@ -305,14 +352,23 @@ class Checkpointer:
             "config": self.config,
             "versions": {"jddp": __version__, "jax": jax.__version__, "orbax": _orbax_version()},
             "leaves": _describe_leaves(tree),
-            "digests": state_digests(tree),
+            "digests": concurrent.futures.Future(),  # set below; read by MetaHandler in the background
             "time": time.time(),
         }
-        ocp = self._ocp
-        items = {STATE: ocp.args.StandardSave(tree), META: ocp.args.JsonSave(meta)}
+        items = {STATE: ocp.args.StandardSave(tree), META: MetaSave(meta)}
         if loader is not None:
             items[LOADER] = ocp.args.JsonSave(loader.get_state())
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        digests = meta["digests"]
+        try:
+            if not self._options.enable_async_checkpointing:
+                digests.set_result(digest_array(tree))
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+            if not digests.done():
+                digests.set_result(digest_array(tree))  # dispatched before any later step can donate `tree`
+        except BaseException as error:
+            if not digests.done():  # never leave Orbax's background write waiting
+                digests.set_exception(error)
+            raise
         self._last_saved = step
         self.stats["saves"] += 1
         self.stats["blocked_s"] += time.perf_counter() - start
@@ -457,7 +513,6 @@ class Checkpointer:
             warnings.warn(message, CheckpointWarning, stacklevel=3)
 
     def _try_restore(self, step: int, meta: dict, state: TrainState, loader) -> tuple[Any, str | None]:
-        ocp = self._ocp
         target = _as_dict(state)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
         items = {STATE: ocp.args.StandardRestore(abstract)}
