@@ -395,7 +395,7 @@ class _Watchdog(threading.Thread):
                 self.client.key_value_set(self.key, self.state or str(counter), allow_overwrite=True)
                 entries = self.client.key_value_dir_get(ALIVE_PREFIX)
             except Exception as error:
-                if self.stopped.is_set():
+                if self.stopped.is_set() or _client() is None:  # stopped, or jax.distributed.shutdown() was called
                     return
                 self._fail(
                     f"lost the coordinator (process 0 at {self.group.coordinator}): "
@@ -480,9 +480,16 @@ def _at_exit() -> None:
             stream.flush()
         os._exit(1)
     watchdog.mark(DONE)
-    try:
-        watchdog.client.wait_at_barrier("jddp/exit", int(watchdog.shutdown_timeout_s * 1000))
-    except Exception as error:
-        print(f"jddp: the exit barrier failed: {str(error).splitlines()[0]}", file=sys.stderr, flush=True)
+    # Wait for every peer to finish, however long its remaining work takes: the watchdog (still running) ends
+    # this process if a peer dies or fails meanwhile. Only then does JAX's own time-limited shutdown barrier run.
+    peers = set(range(watchdog.group.num_processes)) - {watchdog.group.process_id}
+    while True:
+        try:
+            values = {int(k.rsplit("/", 1)[1]): v for k, v in watchdog.client.key_value_dir_get(ALIVE_PREFIX)}
+        except Exception:
+            break  # the coordinator is gone: nothing left to wait for
+        if all(values.get(p) in (DONE, FAILED) for p in peers):
+            break
+        time.sleep(watchdog.interval)
     watchdog.stopped.set()
     watchdog.join(timeout=5)

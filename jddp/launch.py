@@ -258,12 +258,12 @@ class Launcher:
                 w.code = w.popen.poll()
 
     def signal_all(self, signum: int) -> None:
+        """Signals each process's whole session (its own children too, even after it exited)."""
         for w in self.workers:
-            if w.code is None and w.popen.poll() is None:
-                try:
-                    os.killpg(w.popen.pid, signum)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(w.popen.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -283,18 +283,18 @@ class Launcher:
         self.finish_output()
 
     def finish_output(self) -> None:
+        self.signal_all(signal.SIGKILL)  # leftovers of exited processes would hold the pipes open
         for w in self.workers:
             for reader in w.readers:
                 reader.join(timeout=5)
 
     # -- signals ------------------------------------------------------------
     def on_signal(self, signum: int, frame) -> None:
+        # No printing here: the handler may interrupt `say`, which holds the output lock.
         if self.signal_received is not None:
-            self.say(f"second signal ({signal.Signals(signum).name}): killing every process")
             self.signal_all(signal.SIGKILL)
             return
         self.signal_received = signum
-        self.say(f"got {signal.Signals(signum).name}; forwarding it to every process")
         self.signal_all(signum)
 
     # -- the run ------------------------------------------------------------
@@ -310,6 +310,8 @@ class Launcher:
         first_failed: Worker | None = None
         while True:
             if self.signal_received is not None:
+                self.say(f"got {signal.Signals(self.signal_received).name}; forwarded it to every process")
+                self.signal_all(self.signal_received)  # processes started while the signal arrived get it too
                 if not self.wait_all(self.args.term_timeout):
                     self.say(f"processes still running {self.args.term_timeout:g} s after the signal: SIGKILL")
                     self.signal_all(signal.SIGKILL)

@@ -137,7 +137,7 @@ def test_sigterm_is_forwarded_and_every_process_stops_at_the_same_step():
     stops = sorted(lines_with(out, "PREEMPTED"))
     assert len(stops) == 2, out
     assert stops[0].split(" at step ")[1] == stops[1].split(" at step ")[1]
-    assert "got SIGTERM; forwarding it to every process" in err
+    assert "got SIGTERM; forwarded it to every process" in err
 
 
 def test_every_socket_of_a_local_run_is_on_loopback():

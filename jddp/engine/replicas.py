@@ -52,7 +52,28 @@ def broadcast_from_process_0(tree):
         return tree
     from jax.experimental import multihost_utils
 
+    _assert_same_structure(tree)
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+
+
+def _assert_same_structure(tree) -> None:
+    """Compares a fixed-size digest of the paths, shapes and dtypes across processes (a differing tree would
+    otherwise hang the broadcast)."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    described = [
+        (jax.tree_util.keystr(p), np.shape(x), str(np.asarray(x).dtype)) for p, x in jax.tree.leaves_with_path(tree)
+    ]
+    digest = np.frombuffer(hashlib.blake2b(repr(described).encode(), digest_size=8).digest(), np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(digest))
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise ValueError(
+            f"The state passed to DataParallel.init has other leaves, shapes or dtypes on process(es) {differ} than "
+            "on process 0. Every process must build the same model with the same shapes."
+        )
 
 
 def leaf_digests(tree) -> np.ndarray:
