@@ -74,9 +74,10 @@ from dataclasses import dataclass, field
 
 from jddp import exitcodes
 
-# gloo prints this from several C++ threads at once, so lines arrive whole or interleaved in fragments.
+# gloo prints this from C++ threads without line buffering, so its pieces arrive whole, split, or inside a
+# line the script printed at the same moment: the pieces are cut out wherever they are.
 GLOO_CHATTER = re.compile(
-    rb"^(?:\[Gloo\] Rank |\d+ is connected to \d+ peer ranks?\. Expected number of connected peer ranks is : \d+)+$"
+    rb"\[Gloo\] Rank \d*|\d* ?is connected to \d+ peer ranks?\. Expected number of connected peer ranks is : \d+"
 )
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -180,8 +181,11 @@ class _Output:
 
     def pump(self, pipe, target, prefix: bytes) -> None:
         for line in iter(pipe.readline, b""):
-            if GLOO_CHATTER.match(line.rstrip(b"\r\n")):
-                continue
+            cleaned = GLOO_CHATTER.sub(b"", line)
+            if cleaned != line:
+                if not cleaned.strip():
+                    continue
+                line = cleaned
             if not line.endswith(b"\n"):
                 line += b"\n"
             with self.lock:
