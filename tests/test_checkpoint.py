@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -159,6 +160,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
     ckpt.close()
     assert ckpt.all_steps() == [3, 6, 9]
     np.testing.assert_array_equal(np.asarray(state.params["w1"]), np.asarray(saved.params["w1"]))
+    gc.collect()  # collect Orbax's failed-restore leftovers here, under this test's filter, not in a later test
 
 
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
