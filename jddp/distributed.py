@@ -167,8 +167,9 @@ def _cluster_detected() -> bool:
 
 def _own_address_toward(host: str, port: int) -> str:
     """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(address)
         return s.getsockname()[0]
 
 

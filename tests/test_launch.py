@@ -256,3 +256,20 @@ def test_exit_code_descriptions():
     assert exitcodes.describe(137) == "killed by SIGKILL"
     assert exitcodes.is_peer_failure(exitcodes.EXIT_PEER_LOST) and exitcodes.is_peer_failure(134)
     assert not exitcodes.is_peer_failure(1)
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
+def test_an_ipv6_coordinator_works():
+    port = multiprocess.free_port()
+    done = multiprocess.launch("-n", "2", "--coordinator", f"[::1]:{port}", GROUP, "hello")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[1] HELLO 1 [[0], [1]]" in done.stdout
