@@ -488,13 +488,13 @@ class Checkpointer:
         theirs = meta.get("leaves", [])
         differ = [(a, b) for a, b in zip(theirs, mine, strict=False) if a != b]
         differ.sort(key=lambda pair: not pair[1][0].startswith("['params']"))  # name a parameter first
-        for a, b in differ[:1]:
-            if a != b:
-                raise ValueError(
-                    f"Checkpoint step {step} in {self.directory} holds another model: its leaf {a[0]} has shape "
-                    f"{tuple(a[1])} and dtype {a[2]}, but the state here has {b[0]} with shape {tuple(b[1])} and dtype "
-                    f"{b[2]}. Restore into the model that was saved, or use another directory."
-                )
+        if differ:
+            a, b = differ[0]
+            raise ValueError(
+                f"Checkpoint step {step} in {self.directory} holds another model: its leaf {a[0]} has shape "
+                f"{tuple(a[1])} and dtype {a[2]}, but the state here has {b[0]} with shape {tuple(b[1])} and dtype "
+                f"{b[2]}. Restore into the model that was saved, or use another directory."
+            )
         if len(theirs) != len(mine):
             raise ValueError(
                 f"Checkpoint step {step} in {self.directory} holds another model: {len(theirs)} state leaves saved, "

@@ -293,30 +293,29 @@ def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path):
         np.testing.assert_array_equal(a[name], b[name])
 
 
+def run_worker(out: Path, steps: int, devices: int) -> subprocess.CompletedProcess:
+    """The checkpointing worker alone (one process with ``devices`` simulated devices)."""
+    return subprocess.run(
+        [sys.executable, WORKER, str(out), str(steps)],
+        env=multiprocess.environment(JDDP_LOCAL_DEVICES=str(devices)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.multiprocess
 def test_saved_by_two_processes_restored_by_one(tmp_path):
     out = tmp_path / "two"
     out.mkdir()
     done = multiprocess.launch("-n", "2", "--devices-per-process", "2", WORKER, str(out), "12")
     assert done.returncode == 0, done.stdout + done.stderr
-    done = subprocess.run(
-        [sys.executable, WORKER, str(out), "20"],
-        env=multiprocess.environment(JDDP_LOCAL_DEVICES="2"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_worker(out, 20, devices=2)
     assert done.returncode == 0, done.stderr
     assert "RESUMED at step 12" in done.stdout
     clean = tmp_path / "clean"
     clean.mkdir()
-    done = subprocess.run(
-        [sys.executable, WORKER, str(clean), "20"],
-        env=multiprocess.environment(JDDP_LOCAL_DEVICES="4"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_worker(clean, 20, devices=4)
     assert done.returncode == 0, done.stderr
     a, b = np.load(clean / "final.npz"), np.load(out / "final.npz")
     for name in a.files:
