@@ -1,0 +1,184 @@
+"""jddp.config: precedence of defaults, file and overrides; every error names the key, the value and the source."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jddp import config
+from jddp.config import ConfigError
+from tests import multiprocess
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    hidden: int = 64  # width
+    dims: tuple[int, ...] = (8, 8)  # layer sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    epochs: int = 3
+    learning_rate: float = 1e-3
+    name: str = "run"
+    devices: int | None = None
+    model: Model = dataclasses.field(default_factory=Model)
+
+    def __post_init__(self):
+        if self.epochs < 0:
+            raise ValueError(f"`epochs` must be >= 0, got epochs={self.epochs}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Required:
+    data_dir: str = "???"  # OmegaConf's marker for a value that must be given
+
+
+def write(tmp_path, text: str, name: str = "c.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_defaults_then_file_then_command_line(tmp_path):
+    path = write(tmp_path, "epochs: 5\nlearning_rate: 0.01\nmodel:\n  hidden: 32\n")
+    assert config.parse(Config) == Config()
+    assert config.parse(Config, path=path) == Config(epochs=5, learning_rate=0.01, model=Model(hidden=32))
+    got = config.parse(Config, ["epochs=7", "model.dims=[1,2,3]", "devices=4", "learning_rate=2e-4"], path=path)
+    assert got == Config(epochs=7, learning_rate=2e-4, devices=4, model=Model(hidden=32, dims=(1, 2, 3)))
+    assert isinstance(got.model.dims, tuple) and isinstance(got.learning_rate, float)
+
+
+def test_config_key_on_the_command_line_replaces_the_path(tmp_path):
+    default = write(tmp_path, "epochs: 5\n", "default.yaml")
+    other = write(tmp_path, "epochs: 9\nname: other\n", "other.yaml")
+    assert config.parse(Config, [f"config={other}"], path=default) == Config(epochs=9, name="other")
+    assert config.parse(Config, [f"config={other}", "epochs=1"], path=default).epochs == 1
+
+
+def test_strings_that_are_numbers_are_converted(tmp_path):
+    path = write(tmp_path, "epochs: '12'\nlearning_rate: 1\n")
+    got = config.parse(Config, path=path)
+    assert got.epochs == 12 and got.learning_rate == 1.0 and isinstance(got.learning_rate, float)
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "match"),
+    [
+        ("learning_rte: 0.1\n", [], r"Unknown config key `learning_rte` in .*c\.yaml\. Did you mean `learning_rate`\?"),
+        (
+            "model:\n  hiden: 3\n",
+            [],
+            r"key `model\.hiden` in .*c\.yaml\. Did you mean `model\.hidden`\?",
+        ),
+        (None, ["epoch=3"], r"Unknown config key `epoch` on the command line\. Did you mean `epochs`\?"),
+        (
+            None,
+            ["model.zzz=3"],
+            r"key `model\.zzz` on the command line\. Model has the keys hidden, dims",
+        ),
+    ],
+    ids=["file", "file-nested", "command-line", "command-line-nested"],
+)
+def test_unknown_keys_are_errors_naming_key_and_source(tmp_path, text, argv, match):
+    path = write(tmp_path, text) if text else None
+    with pytest.raises(ConfigError, match=match):
+        config.parse(Config, argv, path=path)
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "match"),
+    [
+        (
+            "epochs: five\n",
+            [],
+            r"`epochs` in .*c\.yaml has a value of the wrong type: epochs='five' \(str\), expected int",
+        ),
+        ("model: 3\n", [], r"`model` in .*c\.yaml has a value of the wrong type: model=3 \(int\), expected Model"),
+        (None, ["epochs=2.5"], r"`epochs` on the command line .*: epochs=2\.5 \(float\), expected int\."),
+        (None, ["devices=all"], r"`devices` on the command line .*: devices='all' \(str\), expected int \| None"),
+        (None, ["model.hidden=true"], r"`model\.hidden` on the command line .*=True \(bool\), expected int"),
+        (
+            None,
+            ["model.dims=[1,x]"],
+            r"`model\.dims` on the command line .*\[1, 'x'\] \(list\), expected tuple\[int, \.\.\.\]",
+        ),
+    ],
+    ids=["file", "file-nested-dataclass", "float-for-int", "optional", "bool-for-int", "list-element"],
+)
+def test_wrong_types_are_errors_naming_key_value_type_and_source(tmp_path, text, argv, match):
+    path = write(tmp_path, text) if text else None
+    with pytest.raises(ConfigError, match=match):
+        config.parse(Config, argv, path=path)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"Config file '.*nope\.yaml' does not exist \(resolved: /"):
+        config.parse(Config, path=tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"Config file '.*nope\.yaml' does not exist"):
+        config.parse(Config, [f"config={tmp_path / 'nope.yaml'}"])
+    with pytest.raises(ConfigError, match=r"Config file '.*' is a directory"):
+        config.parse(Config, path=tmp_path)
+    with pytest.raises(ConfigError, match=r"(?s)Config file '.*c\.yaml' is not valid YAML: .*line 1"):
+        config.parse(Config, path=write(tmp_path, "epochs: [1\n"))
+    with pytest.raises(ConfigError, match=r"Config file '.*c\.yaml' must hold a mapping of keys to values, got a"):
+        config.parse(Config, path=write(tmp_path, "- 1\n- 2\n"))
+
+
+@pytest.mark.parametrize("arg", ["epochs", "--epochs", "=3", " epochs=3"])
+def test_malformed_arguments(arg):
+    with pytest.raises(ConfigError, match=r"Malformed argument .* on the command line: expected `key=value`"):
+        config.parse(Config, [arg])
+
+
+def test_schema_checks_and_missing_values():
+    with pytest.raises(ConfigError, match=r"Config rejected the config \(defaults, command line epochs=-1\): "):
+        config.parse(Config, ["epochs=-1"])
+    with pytest.raises(ConfigError, match=r"Config key `data_dir` has no value \(expected str\); set it"):
+        config.parse(Required)
+    assert config.parse(Required, ["data_dir=/x"]).data_dir == "/x"
+    with pytest.raises(TypeError, match=r"`schema` must be a dataclass type, got"):
+        config.parse(Config(), [])
+
+
+def test_yaml_round_trip_and_atomic_save(tmp_path):
+    cfg = config.parse(Config, ["epochs=4", "devices=2", "model.dims=[3]"])
+    text = config.to_yaml(cfg)
+    assert "epochs: 4\n" in text and "model:\n  hidden: 64\n" in text
+    config.save(cfg, tmp_path / "sub" / "config.yaml")
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["config.yaml"]  # no temporary file left
+    assert config.parse(Config, path=tmp_path / "sub" / "config.yaml") == cfg
+    assert config.to_yaml({"a": 1}) == "a: 1\n"
+    with pytest.raises(TypeError, match=r"`config` must be a dataclass instance, an OmegaConf config or a mapping"):
+        config.to_yaml(3)
+
+
+def test_a_config_error_happens_before_any_jax_import(tmp_path):
+    """A training script's first line parses its config: a bad one fails without importing JAX."""
+    bad = write(tmp_path, "epochs: many\n")
+    code = textwrap.dedent(
+        f"""
+        import dataclasses, sys
+        import jddp
+        from jddp.config import ConfigError, parse
+
+        @dataclasses.dataclass(frozen=True)
+        class Config:
+            epochs: int = 3
+
+        for argv in (["epochs=x"], ["nope=1"], ["config={bad}"], ["config=/does/not/exist.yaml"], ["bad"]):
+            try:
+                parse(Config, argv)
+            except ConfigError as error:
+                print("ConfigError:", error)
+        print("jax imported:", "jax" in sys.modules, "jaxlib" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=multiprocess.environment(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("ConfigError:") == 5, done.stdout
+    assert "jax imported: False False" in done.stdout
