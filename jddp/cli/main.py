@@ -1,4 +1,4 @@
-"""The ``jddp`` command: ``jddp --version``, ``jddp info``, ``jddp launch``.
+"""The ``jddp`` command: ``jddp --version``, ``jddp info``, ``jddp launch``, ``jddp bench``.
 
 Subcommands import JAX only when they run, so that ``jddp launch`` (the parent
 of the worker processes) never starts a JAX backend.
@@ -22,6 +22,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "launch", help="run a script as several processes; restart on failure (`jddp launch --help`)", add_help=False
+    )
+    sub.add_parser(
+        "bench",
+        help="throughput, speedup, efficiency and latency over device counts (`jddp bench --help`)",
+        add_help=False,
     )
     return parser
 
@@ -53,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from jddp import launch
 
         return launch.main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from jddp.cli import bench
+
+        return bench.main(argv[1:])
     parser = get_args_parser()
     args = parser.parse_args(argv)
     if args.command == "info":

@@ -1,0 +1,430 @@
+"""``jddp bench``: throughput, speedup, scaling efficiency, latency and all-reduce share of a training step.
+
+Usage::
+
+    jddp bench --model mlp --devices 1,2,4,8 --processes 1,2 --output runs/bench
+
+Every configuration (``P`` processes holding ``D`` devices in all, ``D / P``
+simulated CPU devices each) runs in fresh processes started through
+``jddp launch``, because the device count is fixed when the JAX backend starts.
+Only configurations where ``P`` divides ``D`` run. Each trains a model shaped
+for MNIST-1D (40 features, 10 classes; synthetic data) with AdamW for
+``--batch-per-device`` examples per device (weak scaling, as DDP is used) and
+times three programs on the same pre-placed global batches, interleaved round
+by round in alternating order after ``--warmup`` steps:
+
+* ``jddp``: ``DataParallel.step`` (exact weighting, non-finite guard);
+* ``hand``: a hand-written ``jit(shard_map)`` step with one ``pmean``;
+* ``local``: the same step without the ``pmean`` (no collective at all;
+  checked in the compiled HLO), i.e. computation and update only.
+
+Reported per configuration: throughput (examples/s, from the median time per
+step of pipelined runs of ``--steps`` steps), speedup and scaling efficiency
+(speedup / devices) against 1 process with 1 device, step latency (each step
+waited for: median and p90), the all-reduce time (``hand`` - ``local``) and its
+share of jddp's step, jddp's overhead over ``hand``, and compile time (the
+first ``DataParallel.step`` call). Output: a table on stdout,
+``<output>.json`` and ``<output>.png``.
+
+The parent process imports no JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = ("mlp", "cnn")
+FEATURES, CLASSES = 40, 10
+HIDDEN = 256
+CHANNELS, KERNEL = 32, 5
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What ``jddp bench`` runs."""
+
+    model: str = "mlp"  # "mlp" (40-256-256-10) or "cnn" (3 conv1d layers of 32 channels, then dense)
+    devices: tuple[int, ...] = (1, 2, 4, 8)  # total device counts; must include 1 (the baseline)
+    processes: tuple[int, ...] = (1,)  # process counts; each runs the device counts it divides
+    batch_per_device: int = 64  # examples per device and step
+    steps: int = 20  # steps per timed run
+    warmup: int = 5  # untimed steps of each program first
+    rounds: int = 5  # interleaved timed runs of each program
+    output: str = "bench"  # writes <output>.json and <output>.png
+    timeout_s: float = 600.0  # per configuration
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"`model` must be one of {MODELS}, got model={self.model!r}.")
+        for name in ("devices", "processes"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"`{name}` must be positive ints, got {name}={values!r}; e.g. --{name} 1,2.")
+        if 1 not in self.devices:
+            raise ValueError(f"`devices` must include 1, the baseline of speedup, got devices={self.devices!r}.")
+        for name in ("batch_per_device", "steps", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be at least 1, got {name}={getattr(self, name)!r}.")
+        if self.warmup < 0:
+            raise ValueError(f"`warmup` must be at least 0, got warmup={self.warmup!r}.")
+        if not self.configurations():
+            raise ValueError(
+                f"No process count in processes={self.processes!r} divides a device count in "
+                f"devices={self.devices!r}; each process needs a whole number of devices."
+            )
+
+    def configurations(self) -> list[tuple[int, int]]:
+        """The ``(processes, devices)`` pairs to run, the baseline ``(1, 1)`` first when present."""
+        return sorted({(p, d) for p in self.processes for d in self.devices if d % p == 0})
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4, got {text!r}") from None
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(prog="jddp bench", description="Throughput, scaling and latency of a jddp step.")
+    p.add_argument("--model", choices=MODELS, default=d.model, help="model to train (default mlp)")
+    p.add_argument("--devices", type=_ints, default=d.devices, help="total device counts (default 1,2,4,8)")
+    p.add_argument("--processes", type=_ints, default=d.processes, help="process counts (default 1)")
+    p.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="examples per device (64)")
+    p.add_argument("--steps", type=int, default=d.steps, help="steps per timed run (default 20)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (default 5)")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="interleaved timed runs (default 5)")
+    p.add_argument("--output", default=d.output, help="path prefix of the JSON and PNG (default ./bench)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per configuration (default 600)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    fields = {f.name for f in dataclasses.fields(BenchConfig)} - {"timeout_s"}
+    return BenchConfig(**{k: getattr(args, k) for k in fields}, timeout_s=args.timeout)
+
+
+# ----------------------------------------------------------------- models
+
+
+def init_params(model: str, seed: int = 0) -> dict:
+    """NumPy parameters of the benchmark models (the PyTorch twins in benchmarks/peers load these).
+
+    ``mlp``: dense 40-256-256-10 with ReLU. ``cnn``: three 1-D convolutions
+    (32 channels, kernel 5, same padding, ReLU; weights ``(out, in, kernel)``
+    as in PyTorch) over the 40 features, then dense 1280-10. Dense weights are
+    ``(in, out)``.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def dense(a: int, b: int) -> dict:
+        return {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
+
+    def conv(cin: int) -> dict:
+        w = rng.normal(size=(CHANNELS, cin, KERNEL)) / np.sqrt(cin * KERNEL)
+        return {"w": w.astype(np.float32), "b": np.zeros(CHANNELS, np.float32)}
+
+    if model == "mlp":
+        return {"l0": dense(FEATURES, HIDDEN), "l1": dense(HIDDEN, HIDDEN), "l2": dense(HIDDEN, CLASSES)}
+    return {"c0": conv(1), "c1": conv(CHANNELS), "c2": conv(CHANNELS), "out": dense(CHANNELS * FEATURES, CLASSES)}
+
+
+def forward(model: str, params: dict, x):
+    """Logits ``(batch, 10)`` of ``x`` ``(batch, 40)`` in JAX."""
+    import jax
+    from jax import lax
+
+    if model == "mlp":
+        for i in range(3):
+            x = x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"][None, :]
+            x = jax.nn.relu(x) if i < 2 else x
+        return x
+    h = x[:, None, :]
+    for name in ("c0", "c1", "c2"):
+        pad = [(KERNEL // 2, KERNEL // 2)]
+        h = lax.conv_general_dilated(h, params[name]["w"], (1,), pad, dimension_numbers=("NCH", "OIH", "NCH"))
+        h = jax.nn.relu(h + params[name]["b"][None, :, None])
+    return h.reshape(h.shape[0], -1) @ params["out"]["w"] + params["out"]["b"][None, :]
+
+
+def synthetic_batches(steps: int, global_batch: int, seed: int = 1) -> list[dict]:
+    """``steps`` global batches of MNIST-1D shape: ``x`` float32 ``(global_batch, 40)``, ``y`` int32 labels."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        {"x": rng.normal(size=(global_batch, FEATURES)).astype(np.float32),
+         "y": rng.integers(0, CLASSES, global_batch).astype(np.int32)}
+        for _ in range(steps)
+    ]  # fmt: skip
+
+
+# ----------------------------------------------------------------- worker
+
+
+def check_no_collective(hlo: str) -> None:
+    """Raises ``RuntimeError`` if the compiled HLO text holds a collective."""
+    ops = {op: hlo.count(f"{op}(") for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
+    if any(ops.values()):
+        raise RuntimeError(f"The step without pmean must have no collective, but its compiled HLO has {ops}.")
+
+
+def worker(argv: list[str]) -> int:
+    """One configuration, in every process of the group; process 0 writes the raw timings to ``--out``."""
+    p = argparse.ArgumentParser(prog="jddp bench worker")
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--out", required=True)
+    for name in ("batch_per_device", "steps", "warmup", "rounds"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    args = p.parse_args(argv)
+
+    import jddp
+
+    jddp.initialize(verbose=False)
+    import jax
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    mesh, n, pc, pi = jddp.data_mesh(), jax.device_count(), jax.process_count(), jax.process_index()
+    rep, bsh = jddp.replicated(mesh), jddp.batch_sharding(mesh)
+    gb, rows = args.batch_per_device * n, args.batch_per_device * n // pc
+
+    def place(a, sharding):
+        if sharding is rep:
+            return jax.make_array_from_callback(a.shape, rep, lambda idx: a[idx])
+        return jax.make_array_from_process_local_data(bsh, a[pi * rows : (pi + 1) * rows], a.shape)
+
+    batches = [{k: place(v, bsh) for k, v in b.items()} for b in synthetic_batches(args.steps, gb)]
+    optimizer = optax.adamw(1e-3, weight_decay=1e-4)
+    params = init_params(args.model)
+
+    def mean_loss(params, batch):
+        logits = forward(args.model, params, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    dp = jddp.DataParallel(lambda p, s, b, r: (mean_loss(p, b), (s, {})), optimizer, mesh=mesh)
+
+    def hand_program(reduce: bool):
+        def local_step(params, opt_state, batch):
+            if reduce:  # the gradient trap: differentiate varying params, then one explicit pmean
+                grads_at = jax.tree.map(lambda x: lax.pcast(x, jddp.DATA_AXIS, to="varying"), params)
+            loss, grads = jax.value_and_grad(mean_loss)(grads_at if reduce else params, batch)
+            if reduce:
+                loss, grads = lax.pmean((loss, grads), jddp.DATA_AXIS)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        specs = {"in_specs": (P(), P(), P(jddp.DATA_AXIS)), "out_specs": P(), "check_vma": reduce}
+        jitted = jax.jit(jax.shard_map(local_step, mesh=mesh, **specs), donate_argnums=(0, 1))
+        hand_params = jax.tree.map(lambda a: place(a, rep), params)
+        carry = (hand_params, jax.jit(optimizer.init, out_shardings=rep)(hand_params))
+        t = time.perf_counter()
+        compiled = jitted.lower(*carry, batches[0]).compile()
+        if not reduce:  # the comparison only means something if "local" has no collective
+            check_no_collective(compiled.as_text())
+        return compiled, carry, time.perf_counter() - t
+
+    hand, hand_carry, hand_compile_s = hand_program(True)
+    local, local_carry, _ = hand_program(False)
+    carries = {"jddp": dp.init(params), "hand": hand_carry, "local": local_carry}
+    programs = {
+        "jddp": lambda c, b: (dp.step(c, b)[0], None),
+        "hand": lambda c, b: (lambda r: (r[:2], r[2]))(hand(*c, b)),
+        "local": lambda c, b: (lambda r: (r[:2], r[2]))(local(*c, b)),
+    }
+
+    def run(name: str, steps: int, latencies: list | None = None) -> float:
+        """Runs ``steps`` steps of one program; returns ms per step (latencies: wait for each step)."""
+        carry, pending = carries[name], None
+        start = time.perf_counter()
+        for i in range(steps):
+            t = time.perf_counter()
+            carry, out = programs[name](carry, batches[i % len(batches)])
+            if latencies is not None:
+                jax.block_until_ready(carry)
+                latencies.append((time.perf_counter() - t) * 1e3)
+            elif pending is not None:  # at most 2 steps in flight, as jddp's dispatcher
+                jax.block_until_ready(pending)
+            pending = out
+        jax.block_until_ready(carry)
+        carries[name] = carry
+        return (time.perf_counter() - start) * 1e3 / steps
+
+    compile_s = run("jddp", 1) / 1e3
+    for name in programs:
+        run(name, max(args.warmup, 1))
+    times: dict[str, list[float]] = {k: [] for k in programs}
+    latencies: list[float] = []
+    names = list(programs)
+    for r in range(args.rounds):  # alternate the order so that no program always runs first
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(run(name, args.steps))
+        run("jddp", args.steps, latencies)
+    if pi == 0:
+        result = {f"{k}_ms": v for k, v in times.items()}
+        grad_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+        result.update(processes=pc, devices=n, global_batch=gb, latency_ms=latencies, compile_s=compile_s)
+        result.update(hand_compile_s=hand_compile_s, grad_bytes=grad_bytes)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    return 0
+
+
+# ----------------------------------------------------------------- parent
+
+
+def _run_configuration(config: BenchConfig, processes: int, devices: int) -> dict:
+    """Runs one configuration in fresh processes under ``jddp launch``; returns process 0's figures."""
+    with tempfile.TemporaryDirectory(prefix="jddp-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        worker = ["-m", "jddp.cli.bench", "worker", "--model", config.model, "--out", out]
+        worker += [f"--{k}={getattr(config, k)}" for k in ("batch_per_device", "steps", "warmup", "rounds")]
+        cmd = [sys.executable, "-m", "jddp.launch", "-n", str(processes), "--term-timeout", "5"]
+        cmd += ["--devices-per-process", str(devices // processes), *worker]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_") and k != "XLA_FLAGS"}
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=config.timeout_s)
+        except subprocess.TimeoutExpired as e:
+            proc.terminate()  # the launcher forwards SIGTERM to its workers and kills them 5 s later
+            proc.communicate(timeout=60)
+            raise RuntimeError(
+                f"Configuration processes={processes} devices={devices} took more than {config.timeout_s:g} s; "
+                "raise --timeout or lower --steps/--rounds."
+            ) from e
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(
+                f"Configuration processes={processes} devices={devices} failed (exit {proc.returncode}):\n"
+                f"{stdout}\n{stderr}"
+            )
+        with open(out) as f:
+            return json.load(f)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(raw: list[dict]) -> list[dict]:
+    """Derived figures per configuration from the workers' raw timings (milliseconds)."""
+    rows = []
+    for r in raw:
+        step, hand, local = (statistics.median(r[k]) for k in ("jddp_ms", "hand_ms", "local_ms"))
+        allreduce = max(0.0, hand - local)
+        rows.append({
+            "processes": r["processes"],
+            "devices": r["devices"],
+            "global_batch": r["global_batch"],
+            "step_ms": step,
+            "throughput": r["global_batch"] / step * 1e3,
+            "latency_median_ms": statistics.median(r["latency_ms"]),
+            "latency_p90_ms": _percentile(r["latency_ms"], 0.9),
+            "hand_ms": hand,
+            "local_ms": local,
+            "allreduce_ms": allreduce,
+            "allreduce_share": allreduce / step,
+            "overhead_vs_hand": step / hand,
+            "compile_s": r["compile_s"],
+            "grad_bytes": r["grad_bytes"],
+        })  # fmt: skip
+    base = next(row for row in rows if row["processes"] == 1 and row["devices"] == 1)
+    for row in rows:
+        row["speedup"] = row["throughput"] / base["throughput"]
+        row["efficiency"] = row["speedup"] / row["devices"]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'proc':>4} {'dev':>4} {'examples/s':>11} {'speedup':>8} {'effic.':>7} {'lat p50':>8} {'lat p90':>8}"
+    head += f" {'allreduce':>10} {'jddp/hand':>10} {'compile s':>10}"
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['processes']:>4} {r['devices']:>4} {r['throughput']:>11.0f} {r['speedup']:>8.2f} "
+            f"{r['efficiency']:>7.2f} {r['latency_median_ms']:>8.2f} {r['latency_p90_ms']:>8.2f} "
+            f"{r['allreduce_share']:>9.0%} {r['overhead_vs_hand']:>10.3f} {r['compile_s']:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Writes a PNG: throughput, efficiency, latency and all-reduce share against devices."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for p in sorted({r["processes"] for r in report["rows"]}):
+        rows = [r for r in report["rows"] if r["processes"] == p]
+        dev = [r["devices"] for r in rows]
+        label = f"{p} process{'es' if p > 1 else ''}"
+        axes[0].plot(dev, [r["throughput"] for r in rows], "o-", label=label)
+        axes[1].plot(dev, [r["efficiency"] for r in rows], "o-", label=label)
+        (line,) = axes[2].plot(dev, [r["latency_median_ms"] for r in rows], "o-", label=f"{label} p50")
+        axes[2].plot(dev, [r["latency_p90_ms"] for r in rows], "x--", color=line.get_color(), label=f"{label} p90")
+        axes[3].plot(dev, [100 * r["allreduce_share"] for r in rows], "o-", label=label)
+    titles = ("throughput (examples/s)", "scaling efficiency", "step latency (ms)", "all-reduce share (%)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("devices")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["devices"] for r in report["rows"]}), labels=None)
+    for ax in (axes[0], axes[2]):
+        ax.set_yscale("log")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(f"jddp bench: {report['config']['model']}, {report['config']['batch_per_device']} examples/device")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=90)
+    plt.close(fig)
+
+
+def run(config: BenchConfig) -> dict:
+    """Runs every configuration, prints the table, writes ``<output>.json`` and ``<output>.png``."""
+    raw = []
+    for processes, devices in config.configurations():
+        print(f"jddp bench: {config.model}, {processes} process(es), {devices} device(s) ...", flush=True)
+        raw.append(_run_configuration(config, processes, devices))
+    report = {"config": dataclasses.asdict(config), "raw": raw, "rows": summarize(raw)}
+    print(format_table(report["rows"]))
+    os.makedirs(os.path.dirname(os.path.abspath(config.output)), exist_ok=True)
+    with open(f"{config.output}.json", "w") as f:
+        json.dump(report, f, indent=1)
+    plot(report, f"{config.output}.png")
+    print(f"wrote {config.output}.json and {config.output}.png")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["worker"]:
+        return worker(argv[1:])
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

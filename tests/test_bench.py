@@ -1,0 +1,80 @@
+"""``jddp bench``: a short real run whose figures must agree with each other, and its input errors."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from jddp.cli import bench
+from jddp.cli import main as cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_figures_are_consistent(tmp_path, capsys):
+    out = tmp_path / "mlp"
+    argv = ["bench", "--devices", "1,2", "--steps", "5", "--rounds", "2", "--warmup", "1", "--output", str(out)]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = {(r["processes"], r["devices"]): r for r in report["rows"]}
+    assert set(rows) == {(1, 1), (1, 2)}
+    base = rows[1, 1]
+    for raw in report["raw"]:
+        row = rows[raw["processes"], raw["devices"]]
+        assert len(raw["jddp_ms"]) == 2 and len(raw["latency_ms"]) == 2 * 5
+        assert row["global_batch"] == 64 * row["devices"]
+        assert row["step_ms"] == pytest.approx(statistics.median(raw["jddp_ms"]))
+        assert row["throughput"] == pytest.approx(row["global_batch"] / row["step_ms"] * 1e3)
+        assert row["speedup"] == pytest.approx(row["throughput"] / base["throughput"])
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["devices"])
+        assert row["latency_p90_ms"] >= row["latency_median_ms"] > 0
+        assert 0 <= row["allreduce_share"] < 1
+        assert row["compile_s"] > 0
+        assert f"{row['throughput']:.0f}" in table
+    assert base["speedup"] == 1.0 and base["allreduce_ms"] == pytest.approx(0, abs=base["step_ms"])
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"model": "rnn"}, r"`model` must be one of .* model='rnn'"),
+        ({"devices": (2, 4)}, r"`devices` must include 1"),
+        ({"devices": (0, 1)}, r"`devices` must be positive ints, got devices=\(0, 1\)"),
+        ({"processes": ()}, r"`processes` must be positive ints"),
+        ({"devices": (1,), "processes": (2,)}, r"No process count in processes=\(2,\) divides"),
+        ({"steps": 0}, r"`steps` must be at least 1, got steps=0"),
+        ({"warmup": -1}, r"`warmup` must be at least 0"),
+    ],
+    ids=["model", "no-baseline", "zero-devices", "no-processes", "indivisible", "steps", "warmup"],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench.BenchConfig(**kwargs)
+
+
+def test_configurations_skip_indivisible_pairs():
+    config = bench.BenchConfig(devices=(1, 2, 4, 8), processes=(1, 2))
+    assert config.configurations() == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]
+
+
+def test_bad_device_list_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--devices", "1,two"])
+    assert "expected comma-separated ints such as 1,2,4, got '1,two'" in capsys.readouterr().err
+
+
+def test_timeout_names_the_configuration():
+    config = bench.BenchConfig(devices=(1,), timeout_s=0.01)
+    with pytest.raises(RuntimeError, match=r"processes=1 devices=1 took more than 0.01 s"):
+        bench._run_configuration(config, 1, 1)
+
+
+def test_local_program_check_rejects_collectives():
+    bench.check_no_collective("ROOT %add = f32[] add(%a, %b)")
+    with pytest.raises(RuntimeError, match=r"must have no collective.*'all-reduce': 1"):
+        bench.check_no_collective("%ar = f32[10] all-reduce(%g), replica_groups={{0,1}}")
