@@ -1,0 +1,3 @@
+from benchmarks.peers import run
+
+run.main()

@@ -1,0 +1,246 @@
+"""jddp against hand-written JAX and PyTorch DDP: the same MLP and CNN, the same batches, interleaved.
+
+For each process count (``--processes 1,2``) one group of processes is started
+through ``jddp launch`` (one CPU device per process). Every process joins
+JAX's group (``jddp.initialize``: ``jax.distributed`` with gloo) and PyTorch's
+(``torch.distributed`` with gloo), then, for each model, trains
+
+* ``jddp``: ``DataParallel.step`` with default options;
+* ``jax``: a hand-written ``jit(shard_map)`` step (varying params, value_and_grad, one ``pmean``, optax);
+* ``torch``: ``DistributedDataParallel`` on the same initial weights, ``AdamW``;
+
+from the same parameters on the same global batches (each process its slice),
+AdamW with lr 1e-3 and weight decay 1e-4 in all three. First the losses of
+the first steps are compared (the same math must give the same loss), then
+``--rounds`` timed runs of ``--steps`` steps per variant alternate in order.
+Prints median ms per step, the p10-p90 range and the step-time ratios
+jddp / jax and jddp / torch (below 1: jddp is faster).
+
+    python -m benchmarks.peers --processes 1,2 --models mlp,cnn --rounds 9
+
+PyTorch runs with ``--torch-threads`` intra-op threads (default 1, what
+``torchrun`` sets for several processes): on this shared 2-core machine 2
+threads made its MLP step 10 to 20x slower (OpenMP threads waiting for a busy
+core), alone as well as next to JAX. XLA:CPU sizes its own thread pool. Needs the ``bench``
+extra (``pip install -e ".[bench]"``, PyTorch's CPU build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("jddp", "jax", "torch")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--processes", default="1,2", help="process counts, one device each (default 1,2)")
+    p.add_argument("--models", default="mlp,cnn", help="models of jddp bench (default mlp,cnn)")
+    p.add_argument("--global-batch-size", type=int, default=256, help="examples per step (default 256)")
+    p.add_argument("--steps", type=int, default=20, help="steps per timed run (default 20)")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved timed runs per variant (default 9)")
+    p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = get_args_parser().parse_args(argv)
+    results = {}
+    for nprocs in (int(v) for v in args.processes.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "peers.json")
+            cmd = [sys.executable, "-m", "jddp.launch", "-n", str(nprocs), "--devices-per-process", "1"]
+            cmd += ["-m", "benchmarks.peers.run", "--worker", out, str(_free_port()), args.models]
+            cmd += [str(args.global_batch_size), str(args.steps), str(args.rounds), str(args.torch_threads)]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_") and k != "XLA_FLAGS"}
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{nprocs} processes failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+            with open(out) as f:
+                for model, figures in json.load(f).items():
+                    results[f"{model} x{nprocs}"] = figures
+    print(f"global batch {args.global_batch_size}, {args.rounds} rounds x {args.steps} steps, interleaved; one CPU "
+          f"device per process, torch threads {args.torch_threads}; ms per step: median [p10, p90]")  # fmt: skip
+    print(f"{'model x procs':<14}" + "".join(f"{v:>22}" for v in VARIANTS) + f"{'jddp/jax':>10}{'jddp/torch':>11}")
+    for name, r in results.items():
+        cells = "".join(f"{r[v]['median']:>8.3f} [{r[v]['p10']:6.2f},{r[v]['p90']:6.2f}]" for v in VARIANTS)
+        print(f"{name:<14}{cells}{r['jddp/jax']:>10.3f}{r['jddp/torch']:>11.3f}   loss diff {r['loss_diff']:.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+# ----------------------------------------------------------------- worker
+
+
+def _setup_jax(model: str, params: dict, batches: list[dict]):
+    """jddp's and the hand-written JAX step, each as ``(step(carry, batch) -> (carry, loss), carry)``."""
+    import jax
+    import optax
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jddp
+    from jddp.cli import bench
+
+    optimizer = optax.adamw(1e-3, weight_decay=1e-4)
+
+    def mean_loss(p, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(bench.forward(model, p, batch["x"]), batch["y"]).mean()
+
+    dp = jddp.DataParallel(lambda p, s, b, r: (mean_loss(p, b), (s, {})), optimizer, mesh=jddp.data_mesh())
+
+    def jddp_step(state, batch):
+        state, metrics = dp.step(state, batch)
+        return state, metrics
+
+    # Hand-written, as a careful JAX user writes it: own mesh, one pmean.
+    mesh = Mesh(jax.devices(), ("batch",))
+    rep = NamedSharding(mesh, P())
+
+    def local_step(params, opt_state, batch):
+        varying = jax.tree.map(lambda x: lax.pcast(x, "batch", to="varying"), params)
+        loss, grads = jax.value_and_grad(mean_loss)(varying, batch)
+        loss, grads = lax.pmean((loss, grads), "batch")
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    mapped = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P("batch")), out_specs=P())
+    hand = jax.jit(mapped, donate_argnums=(0, 1))
+    hand_params = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, rep, lambda i: a[i]), params)
+    hand_carry = (hand_params, jax.jit(optimizer.init, out_shardings=rep)(hand_params))
+
+    def hand_step(carry, batch):
+        p, o, loss = hand(*carry, batch)
+        return (p, o), loss
+
+    return {"jddp": (jddp_step, dp.init(params)), "jax": (hand_step, hand_carry)}
+
+
+def _setup_torch(model: str, params: dict):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.peers import torch_models
+
+    ddp = DDP(torch_models.build(model, params))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=1e-4)
+
+    def torch_step(carry, batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        return carry, loss
+
+    return torch_step, None
+
+
+def _bench_model(model: str, data: dict, steps: int, rounds: int) -> dict:
+    """Checks that the three variants compute the same losses, then times them interleaved."""
+    import jax
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from jddp.cli import bench
+
+    params = bench.init_params(model)
+    variants = {**_setup_jax(model, params, data["jddp"]), "torch": _setup_torch(model, params)}
+    carries = {k: v[1] for k, v in variants.items()}
+
+    def run(name: str, n: int) -> tuple[float, list]:
+        step, carry, losses, pending = variants[name][0], carries[name], [], None
+        start = time.perf_counter()
+        for i in range(n):
+            carry, loss = step(carry, data[name][i % steps])
+            losses.append(loss)
+            if pending is not None and name != "torch":  # at most 2 steps in flight
+                jax.block_until_ready(pending if name == "jax" else pending["loss"])
+            pending = loss
+        if name != "torch":
+            jax.block_until_ready(carry)
+        carries[name] = carry
+        return (time.perf_counter() - start) * 1e3 / n, losses
+
+    # Same math: global losses of the first steps from the same start agree.
+    first = {}
+    for name in VARIANTS:
+        _, losses = run(name, 3)
+        if name == "torch":
+            t = torch.stack([x.detach() for x in losses])
+            dist.all_reduce(t)
+            first[name] = (t / dist.get_world_size()).numpy()
+        else:
+            first[name] = np.array([float(x if name == "jax" else x["loss"]) for x in losses])
+    loss_diff = max(float(np.max(np.abs(first[v] - first["torch"]))) for v in ("jddp", "jax"))
+    if loss_diff > 1e-3:
+        raise AssertionError(f"{model}: the three variants disagree on the first losses: {first}")
+    for name in VARIANTS:  # warm-up
+        run(name, steps)
+    times = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            times[name].append(run(name, steps)[0])
+    figures = {v: {"median": statistics.median(t), "p10": float(np.percentile(t, 10)),
+                   "p90": float(np.percentile(t, 90)), "runs": t} for v, t in times.items()}  # fmt: skip
+    figures["jddp/jax"] = figures["jddp"]["median"] / figures["jax"]["median"]
+    figures["jddp/torch"] = figures["jddp"]["median"] / figures["torch"]["median"]
+    figures["loss_diff"] = loss_diff
+    return figures
+
+
+def _worker(out: str, port: str, models: str, global_batch: str, steps: str, rounds: str, threads: str) -> None:
+    import jddp
+
+    jddp.initialize(verbose=False)
+    import jax
+    import torch
+    import torch.distributed as dist
+
+    from jddp.cli import bench
+
+    nprocs, rank = jax.process_count(), jax.process_index()
+    torch.set_num_threads(int(threads))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs)
+    global_batch, steps, rounds = int(global_batch), int(steps), int(rounds)
+    rows = global_batch // nprocs
+    host = bench.synthetic_batches(steps, global_batch)
+    sharding = jddp.batch_sharding(jddp.data_mesh())
+    local = [{k: v[rank * rows : (rank + 1) * rows] for k, v in b.items()} for b in host]
+    data = {
+        "jddp": [{k: jax.make_array_from_process_local_data(sharding, v, host[0][k].shape) for k, v in b.items()}
+                 for b in local],
+        "torch": [{"x": torch.from_numpy(b["x"]), "y": torch.from_numpy(b["y"]).long()} for b in local],
+    }  # fmt: skip
+    data["jax"] = data["jddp"]
+    results = {model: _bench_model(model, data, steps, rounds) for model in models.split(",")}
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(*sys.argv[2:])
+    else:
+        main()
