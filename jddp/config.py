@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tempfile
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -112,13 +111,12 @@ def save(config: Any, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = to_yaml(config)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # plain open: the file gets the umask's mode
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        tmp.write_text(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -1,0 +1,436 @@
+"""`fit`: the training loop for examples and users who want one, made of jddp's own pieces.
+
+    result = jddp.fit(dp, state, train_loader, epochs=30, eval_loader=test_loader,
+                      checkpointer=jddp.Checkpointer("runs/a/ckpt", save_every=500),
+                      log_dir="runs/a", config=config)
+
+It adds nothing ``DataParallel``, ``DataLoader`` and ``Checkpointer`` cannot
+do; it runs them in the right order and writes what happened:
+
+* **Start**: ``checkpointer.restore_or_init`` (resume), a topology line and the
+  resolved config printed, ``config.yaml`` written to ``log_dir`` and beside the
+  checkpoints.
+* **Each step**: ``dp.step``; every ``log_every`` steps (and at the last) the
+  step's metrics, exact global means, are read (the only wait for the devices)
+  and appended to ``log_dir/metrics.jsonl`` (flushed: a kill loses nothing
+  already logged) and to TensorBoard; ``dp.evaluate`` on ``eval_loader`` every
+  ``eval_every`` steps (or at each epoch end) and at the end;
+  ``checkpointer.maybe_save`` (a SIGTERM saves and raises ``SystemExit(75)``,
+  which ``fit`` lets through after closing its logs).
+* **End**: a final save, ``log_dir/loss.png``, a summary line.
+
+Length is counted from step 0 (``steps``, or ``epochs`` times the batches per
+epoch), so a resumed run stops where an uninterrupted one does. On resume at
+step ``k`` the records of ``metrics.jsonl`` with a step after ``k`` (logged
+after the checkpoint, before the kill) are dropped, so the log has no gap and
+no duplicated step; TensorBoard is told the same (``purge_step``).
+
+Every decision (log, evaluate, save, stop) follows from the step counter and
+the loader position, which every process advances identically. Only process 0
+prints, shows the progress bar and writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jddp import checkpoint as checkpoint_lib
+from jddp import config as config_lib
+from jddp import exitcodes
+from jddp.data import loader as loader_lib
+from jddp.engine import parallel
+from jddp.engine import state as state_lib
+
+METRICS_FILE, CONFIG_FILE, PLOT_FILE = "metrics.jsonl", "config.yaml", "loss.png"
+TIMES = ("compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What ``fit`` returns.
+
+    Attributes:
+      state: the final ``TrainState``.
+      history: the records this call logged (the same on every process):
+        ``{"step", "epoch", "split": "train" | "eval", **metrics}``; ``epoch`` is
+        the loader position in epochs (1.0 at the end of the first).
+      final_eval: the metrics of the last evaluation (``{}`` without ``eval_loader``).
+      summary: ``steps`` (taken by this call), ``final_step``, ``wall_s``,
+        ``examples_per_s`` (global batch size times the steps after the first,
+        per second of stepping and waiting for data) and the seconds spent in
+        ``compile_s`` (the first step), ``step_s``, ``data_wait_s``,
+        ``checkpoint_s`` and ``eval_s``.
+    """
+
+    state: state_lib.TrainState
+    history: list[dict]
+    final_eval: dict[str, float]
+    summary: dict[str, float]
+
+
+def fit(
+    dp: parallel.DataParallel,
+    state: state_lib.TrainState,
+    train_loader: loader_lib.DataLoader,
+    *,
+    epochs: int | None = None,
+    steps: int | None = None,
+    eval_loader: loader_lib.DataLoader | None = None,
+    eval_every: int | None = None,
+    checkpointer: checkpoint_lib.Checkpointer | None = None,
+    log_dir: str | os.PathLike | None = None,
+    log_every: int = 10,
+    config: Any = None,
+    progress: bool = True,
+) -> FitResult:
+    """Trains ``state`` with ``dp`` on ``train_loader``; see the module docstring.
+
+    Args:
+      dp: the ``DataParallel`` engine.
+      state: from ``dp.init``; replaced by the checkpoint's when there is one.
+      train_loader: global training batches; its position is checkpointed.
+      epochs: training length in epochs of ``train_loader``, counted from step 0.
+      steps: training length in steps, counted from step 0 (exactly one of the two).
+      eval_loader: evaluated exactly with ``dp.evaluate``; needs ``drop_last=False``.
+      eval_every: steps between evaluations; None: at the end of each epoch.
+        There is always one at the end.
+      checkpointer: restores at the start, ``maybe_save`` each step, saves at
+        the end and is closed.
+      log_dir: where process 0 writes ``metrics.jsonl``, TensorBoard events,
+        ``config.yaml`` and ``loss.png``; None writes no files.
+      log_every: steps between training records (and the last step).
+      config: the run's config (dataclass, mapping or OmegaConf config): printed,
+        saved, and fingerprinted by the checkpointer.
+      progress: a tqdm bar on process 0.
+
+    Returns:
+      A ``FitResult``.
+
+    Raises:
+      TypeError: for arguments of the wrong kind.
+      ValueError: for bad lengths or intervals, an ``eval_loader`` that drops
+        examples, ``eval_every`` without ``eval_loader``, or a checkpointer
+        holding another config; all before anything runs.
+      SystemExit: ``EXIT_PREEMPTED`` (75) after a preemption save.
+    """
+    _check_args(dp, state, train_loader, eval_loader, checkpointer)
+    total = _total_steps(epochs, steps, len(train_loader))
+    for name, value in (("eval_every", eval_every), ("log_every", log_every)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"`{name}` must be a positive int, got {name}={value!r}.")
+    if eval_every is not None and eval_loader is None:
+        raise ValueError(f"`eval_every={eval_every}` needs an `eval_loader`; pass one or drop `eval_every`.")
+    config_text = config_lib.to_yaml(config) if config is not None else None
+    if checkpointer is not None and config is not None:
+        _fingerprint(checkpointer, config)
+    run = _Run(dp, train_loader, eval_loader, checkpointer, total, eval_every, log_every, progress)
+    return run(state, Path(log_dir) if log_dir is not None else None, config, config_text)
+
+
+def _check_args(dp, state, train_loader, eval_loader, checkpointer) -> None:
+    expected = [
+        ("dp", dp, parallel.DataParallel, "jddp.DataParallel"),
+        ("state", state, state_lib.TrainState, "jddp.TrainState from `dp.init`"),
+        ("train_loader", train_loader, loader_lib.DataLoader, "jddp.data.DataLoader"),
+        ("eval_loader", eval_loader, (loader_lib.DataLoader, type(None)), "jddp.data.DataLoader or None"),
+        ("checkpointer", checkpointer, (checkpoint_lib.Checkpointer, type(None)), "jddp.Checkpointer or None"),
+    ]
+    for name, value, kind, what in expected:
+        if not isinstance(value, kind):
+            raise TypeError(f"`{name}` must be a {what}, got {type(value).__name__}.")
+    if eval_loader is not None and eval_loader.sampler.drop_last:
+        raise ValueError(
+            "`eval_loader` drops the last partial batch (drop_last=True), so evaluation would skip examples. "
+            "Build it with `shuffle=False, drop_last=False`: the padding is masked and every example counts once."
+        )
+
+
+def _total_steps(epochs, steps, per_epoch: int) -> int:
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"Pass exactly one of `epochs` or `steps`, got epochs={epochs!r}, steps={steps!r}.")
+    name, value = ("epochs", epochs) if steps is None else ("steps", steps)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {name}={value!r}.")
+    return value * per_epoch if name == "epochs" else value
+
+
+def _fingerprint(checkpointer: checkpoint_lib.Checkpointer, config: Any) -> None:
+    fingerprint, plain = checkpoint_lib.config_fingerprint(config)
+    if not checkpointer.fingerprint:
+        checkpointer.fingerprint, checkpointer.config = fingerprint, plain
+    elif checkpointer.fingerprint != fingerprint:
+        raise ValueError(
+            "`config` differs from the config the `checkpointer` was built with; pass the same one to both "
+            "(or build the Checkpointer without `config` and let `fit` give it)."
+        )
+
+
+class _Run:
+    """One call of ``fit``: the loop state, the timers and process 0's outputs."""
+
+    def __init__(self, dp, train_loader, eval_loader, checkpointer, total, eval_every, log_every, progress):
+        self.dp, self.loader, self.eval_loader, self.ckpt = dp, train_loader, eval_loader, checkpointer
+        self.total, self.eval_every, self.log_every, self.progress = total, eval_every, log_every, progress
+        self.main = jax.process_index() == 0
+        self.times = dict.fromkeys(TIMES, 0.0)
+        self.history: list[dict] = []
+        self.final_eval: dict[str, float] = {}
+        self.last_eval_step = -1
+        self.steps_run = self.step = 0
+        self.log: _Log | None = None
+        self.bar = None
+
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[key] += time.perf_counter() - start
+
+    def __call__(self, state, log_dir: Path | None, config, config_text: str | None) -> FitResult:
+        start = time.perf_counter()
+        if self.ckpt is not None:
+            with self.timed("checkpoint_s"):
+                state, _ = self.ckpt.restore_or_init(state, self.loader)
+        self.step = first = int(jax.device_get(state.step))
+        self.announce(first, config_text)
+        if self.main:
+            self.log = _Log(log_dir, first) if log_dir is not None else None
+            for directory in (log_dir, self.ckpt and self.ckpt.directory):
+                if directory is not None and config is not None:
+                    config_lib.save(config, Path(directory) / CONFIG_FILE)
+            if self.progress:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=self.total, initial=min(first, self.total), unit="step", dynamic_ncols=True)
+        try:
+            state = self.train(state)
+            if self.last_eval_step != self.step and self.eval_loader is not None:
+                self.evaluate(state)
+            if self.ckpt is not None:
+                with self.timed("checkpoint_s"):
+                    self.ckpt.save(state, self.loader)
+                    self.ckpt.close()
+        except SystemExit as stop:
+            if stop.code == exitcodes.EXIT_PREEMPTED:
+                self.say(f"fit: preempted; saved step {self.step}, exiting with {stop.code}. Run again to resume.")
+            raise
+        finally:  # also on preemption (SystemExit) and errors: what was logged stays on disk
+            if self.bar is not None:
+                self.bar.close()
+            if self.log is not None:
+                self.log.close()
+        summary = self.summary(first, time.perf_counter() - start)
+        if self.log is not None:
+            self.log.plot()
+        self.say(
+            f"fit: {self.steps_run} steps to step {self.step} in {summary['wall_s']:.1f} s, "
+            f"{summary['examples_per_s']:.0f} examples/s; "
+            + ", ".join(f"{k[:-2].replace('_', ' ')} {summary[k]:.2f} s" for k in TIMES)
+        )
+        return FitResult(state, self.history, self.final_eval, summary)
+
+    def announce(self, first: int, config_text: str | None) -> None:
+        mesh = ", ".join(f"{k}={v}" for k, v in self.dp.mesh.shape.items())
+        devices = self.dp.mesh.devices.flat
+        local = sum(d.process_index == jax.process_index() for d in devices)
+        resumed = f", resumed at step {first}" if first else ""
+        self.say(
+            f"fit: {jax.process_count()} process(es), {self.dp.mesh.devices.size} devices "
+            f"({local} local), global batch {self.loader.sampler.global_batch_size}, "
+            f"mesh ({mesh}), {self.total} steps ({len(self.loader)} per epoch){resumed}"
+        )
+        if config_text is not None:
+            self.say("config:\n" + config_text.rstrip())
+
+    def say(self, text: str) -> None:
+        if self.main:
+            if self.bar is not None:
+                self.bar.write(text, file=sys.stdout)
+            else:
+                print(text, flush=True)
+
+    def train(self, state):
+        iterator = iter(self.loader)
+        try:
+            while self.step < self.total:
+                with self.timed("data_wait_s"):
+                    batch = next(iterator, None)
+                if batch is None:  # end of an epoch: the loader goes on with the next
+                    iterator = iter(self.loader)
+                    continue
+                state = self.one_step(state, batch)
+        finally:
+            iterator.close()
+        with self.timed("step_s"):  # the steps still running on the devices
+            jax.block_until_ready(state)
+        return state
+
+    def one_step(self, state, batch):
+        start = time.perf_counter()
+        state, metrics = self.dp.step(state, batch)
+        if self.steps_run == 0:
+            jax.block_until_ready(metrics)
+            self.times["compile_s"] += time.perf_counter() - start
+        else:
+            self.times["step_s"] += time.perf_counter() - start
+        self.step += 1
+        self.steps_run += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.step % self.log_every == 0 or self.step == self.total:
+            with self.timed("step_s"):
+                values = dict(metrics)  # waits for this step: the only wait per log interval
+            self.record("train", values)
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{values['loss']:.4g}", refresh=False)
+        if self.eval_due():
+            self.evaluate(state)
+        if self.ckpt is not None:
+            if self.ckpt.save_every and self.step % self.ckpt.save_every == 0:
+                with self.timed("step_s"):  # a save waits for the step first; count that as stepping
+                    jax.block_until_ready(state)
+            with self.timed("checkpoint_s"):
+                self.ckpt.maybe_save(state, self.loader)
+        return state
+
+    def eval_due(self) -> bool:
+        if self.eval_loader is None:
+            return False
+        if self.eval_every is not None:
+            return self.step % self.eval_every == 0
+        return self.loader.sampler.position % len(self.loader) == 0
+
+    def evaluate(self, state) -> None:
+        with self.timed("step_s"):
+            jax.block_until_ready(state)
+        with self.timed("eval_s"):
+            self.final_eval = self.dp.evaluate(state, self.eval_loader)
+        self.last_eval_step = self.step
+        self.record("eval", self.final_eval)
+        self.say(f"step {self.step} eval: " + " ".join(f"{k}={v:.5g}" for k, v in self.final_eval.items()))
+
+    def record(self, split: str, metrics: dict[str, float]) -> None:
+        epoch = round(self.loader.sampler.position / len(self.loader), 6)
+        rec = {"step": self.step, "epoch": epoch, "split": split, **metrics}
+        self.history.append(rec)
+        if self.log is not None:
+            self.log.write(rec)
+
+    def summary(self, first: int, wall: float) -> dict[str, float]:
+        t = self.times
+        after_first = max(self.steps_run - 1, 0) * self.loader.sampler.global_batch_size
+        busy = t["step_s"] + t["data_wait_s"]
+        return {
+            "steps": float(self.steps_run),
+            "final_step": float(self.step),
+            "wall_s": wall,
+            "examples_per_s": after_first / busy if after_first and busy > 0 else 0.0,
+            **t,
+        }
+
+
+class _Log:
+    """Process 0's files: ``metrics.jsonl`` (appended, flushed per record), TensorBoard events, the loss plot."""
+
+    def __init__(self, log_dir: Path, first: int):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.dir = log_dir
+        self.path = log_dir / METRICS_FILE
+        self.seen = {(r["step"], r["split"]) for r in _keep_until(self.path, first)}
+        self.file = open(self.path, "a")  # closed in close()
+        self.tb = _summary_writer(log_dir, purge_step=first + 1)
+
+    def write(self, rec: dict) -> None:
+        key = (rec["step"], rec["split"])
+        if key in self.seen:  # e.g. the final evaluation of a run resumed after its end
+            return
+        self.seen.add(key)
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        for name, value in rec.items():
+            if name not in ("step", "epoch", "split"):
+                self.tb.add_scalar(f"{rec['split']}/{name}", value, rec["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        self.tb.close()
+
+    def plot(self) -> None:
+        """``loss.png``: training and evaluation loss over the whole run (all attempts), written atomically."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        records = read_metrics(self.path)
+        figure = Figure(figsize=(6, 4), dpi=100)
+        FigureCanvasAgg(figure)
+        ax = figure.add_subplot()
+        for split, style in (("train", "-"), ("eval", "o-")):
+            points = [(r["step"], r["loss"]) for r in records if r["split"] == split and "loss" in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, label=f"{split} loss", markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_yscale("log" if all(r.get("loss", 1) > 0 for r in records) else "linear")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        figure.tight_layout()
+        tmp = self.dir / f".{PLOT_FILE}.tmp"
+        figure.savefig(tmp, format="png")
+        os.replace(tmp, self.dir / PLOT_FILE)
+
+
+def _summary_writer(log_dir: Path, purge_step: int):
+    """A tensorboardX ``SummaryWriter``, imported without PyTorch.
+
+    tensorboardX imports ``torch`` when it is installed (seconds), only to accept
+    its tensors; fit logs floats. Unless the program already imported it, torch
+    is hidden while tensorboardX loads (``sys.modules[name] = None`` makes
+    ``import torch`` raise ``ImportError``, which tensorboardX handles).
+    """
+    hide = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter(str(log_dir), purge_step=purge_step)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a last line cut by a kill is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # only the last line can be partial: records are written whole and flushed in order
+    return records
+
+
+def _keep_until(path: Path, step: int) -> list[dict]:
+    """Drops the records after ``step`` (and a line cut by a kill) from ``path``, atomically; returns the rest."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+    return kept

@@ -1,0 +1,201 @@
+"""jddp.fit: logs the metrics dp.step and dp.evaluate give, resumes a killed run without gaps, checks its arguments."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp import exitcodes
+from jddp.loop import FitResult, fit, read_metrics
+from tests import multiprocess
+
+WORKER = str(multiprocess.WORKERS / "fit_train.py")
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(200, 8)).astype(np.float32)
+Y = (X[:, :3].argmax(1)).astype(np.int32)
+
+
+def loss_fn(params, model_state, batch, key):
+    logits = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
+    mask = batch.get("mask")
+    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+    return loss, (model_state, {"accuracy": jddp.masked_mean((logits.argmax(-1) == batch["y"]).astype(float), mask)})
+
+
+def make(devices: int = 4):
+    mesh = jddp.data_mesh(jax.devices()[:devices])
+    dp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh)
+    init = np.random.default_rng(1)
+    state = dp.init({"w1": init.normal(size=(8, 16)).astype(np.float32), "w2": np.zeros((16, 3), np.float32)})
+    train = jddp.data.DataLoader({"x": X[:160], "y": Y[:160]}, global_batch_size=16, seed=2, mesh=mesh)
+    test = jddp.data.DataLoader(
+        {"x": X[160:], "y": Y[160:]}, global_batch_size=16, shuffle=False, drop_last=False, mesh=mesh
+    )
+    return dp, state, train, test
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[tuple[str, int], float]:
+    """(tag, step) -> value from the TFRecord event files (length, crc, event, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in log_dir.glob("events.out.tfevents.*"):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                scalars[(value.tag, event.step)] = value.simple_value
+    return scalars
+
+
+def test_logged_metrics_are_the_step_and_evaluate_metrics(tmp_path, capsys):
+    """fit's records equal dp.step's metrics and dp.evaluate's results for the same steps run by hand."""
+    dp, state, train, test = make()
+    result = fit(dp, state, train, steps=13, eval_loader=test, eval_every=5, log_dir=tmp_path, log_every=3,
+                 config={"lr": 0.01}, progress=False)  # fmt: skip
+
+    dp, state, train, test = make()
+    expected = []
+    for step in range(1, 14):
+        if step in (1, 11):
+            loader = iter(train)
+        state, metrics = dp.step(state, next(loader))
+        epoch = step / 10
+        if step % 3 == 0 or step == 13:
+            expected.append({"step": step, "epoch": epoch, "split": "train", **metrics})
+        if step % 5 == 0 or step == 13:
+            expected.append({"step": step, "epoch": epoch, "split": "eval", **dp.evaluate(state, test)})
+    assert result.history == expected
+    assert read_metrics(tmp_path / "metrics.jsonl") == expected
+    assert result.final_eval == {k: v for k, v in expected[-1].items() if k not in ("step", "epoch", "split")}
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(result.state), jax.device_get(state))
+
+    scalars = tensorboard_scalars(tmp_path)
+    assert scalars[("train/loss", 9)] == pytest.approx(expected[3]["loss"], rel=1e-7)
+    assert scalars[("eval/accuracy", 13)] == pytest.approx(result.final_eval["accuracy"], rel=1e-7)
+    assert len(scalars) == sum(len(r) - 3 for r in expected)
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "config.yaml").read_text() == "lr: 0.01\n"
+
+    out = capsys.readouterr().out
+    assert "fit: 1 process(es), 4 devices (4 local), global batch 16, mesh (data=4), 13 steps (10 per epoch)" in out
+    assert "config:\nlr: 0.01\n" in out and "step 10 eval: accuracy=" in out
+    assert "fit: 13 steps to step 13 in " in out
+    s = result.summary
+    assert s["steps"] == 13 and s["final_step"] == 13 and s["examples_per_s"] > 0
+    assert all(s[k] > 0 for k in ("compile_s", "step_s", "data_wait_s", "eval_s")) and s["checkpoint_s"] == 0
+    assert s["wall_s"] >= sum(s[k] for k in ("compile_s", "step_s", "data_wait_s", "eval_s"))
+
+
+def test_epochs_evaluate_at_each_epoch_end_once(tmp_path):
+    dp, state, train, test = make(2)
+    result = fit(dp, state, train, epochs=2, eval_loader=test, log_every=4, progress=False)
+    assert isinstance(result, FitResult) and int(result.state.step) == 20
+    assert [(r["step"], r["epoch"]) for r in result.history if r["split"] == "eval"] == [(10, 1.0), (20, 2.0)]
+    assert [r["step"] for r in result.history if r["split"] == "train"] == [4, 8, 12, 16, 20]
+    assert train.get_state()["position"] == 20
+    again = fit(dp, result.state, train, epochs=2, progress=False)  # already at its length: no step, no file
+    assert again.summary["steps"] == 0 and again.history == [] and again.final_eval == {}
+
+
+def test_bad_arguments_are_rejected_before_anything_runs(tmp_path):
+    dp, state, train, test = make(2)
+    log = tmp_path / "log"
+    cases = [
+        (dict(), ValueError, r"Pass exactly one of `epochs` or `steps`, got epochs=None, steps=None"),
+        (dict(epochs=1, steps=5), ValueError, r"exactly one of `epochs` or `steps`, got epochs=1, steps=5"),
+        (dict(steps=0), ValueError, r"`steps` must be a positive int, got steps=0"),
+        (dict(epochs=1.5), ValueError, r"`epochs` must be a positive int, got epochs=1.5"),
+        (dict(steps=2, eval_every=0, eval_loader=test), ValueError, r"`eval_every` must be a positive int"),
+        (dict(steps=2, log_every=True), ValueError, r"`log_every` must be a positive int, got log_every=True"),
+        (dict(steps=2, eval_every=5), ValueError, r"`eval_every=5` needs an `eval_loader`"),
+        (dict(steps=2, eval_loader=train), ValueError, r"`eval_loader` drops the last partial batch"),
+        (dict(steps=2, checkpointer="ckpt"), TypeError, r"`checkpointer` must be a jddp.Checkpointer or None, got str"),
+        (dict(steps=2, config=3), TypeError, r"`config` must be a dataclass instance, an OmegaConf config or a"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            fit(dp, state, train, log_dir=log, progress=False, **kwargs)
+    with pytest.raises(TypeError, match=r"`dp` must be a jddp.DataParallel, got str"):
+        fit("dp", state, train, steps=1)
+    with pytest.raises(TypeError, match=r"`state` must be a jddp.TrainState from `dp.init`, got dict"):
+        fit(dp, {}, train, steps=1)
+    with pytest.raises(TypeError, match=r"`train_loader` must be a jddp.data.DataLoader, got list"):
+        fit(dp, state, [], steps=1)
+    with jddp.Checkpointer(tmp_path / "ckpt", config={"lr": 1}) as ckpt:
+        with pytest.raises(ValueError, match=r"`config` differs from the config the `checkpointer` was built with"):
+            fit(dp, state, train, steps=1, checkpointer=ckpt, config={"lr": 2}, log_dir=log)
+    assert not log.exists() and int(state.step) == 0 and train.get_state()["position"] == 0
+
+
+def run_worker(out: Path, steps: int, **env: str) -> subprocess.Popen:
+    out.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, WORKER, str(out), str(steps)],
+        env=multiprocess.environment(JDDP_LOCAL_DEVICES="2", **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, code: int) -> str:
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == code, f"exit {proc.returncode}\n{out}\n{err}"
+    return out
+
+
+def test_killed_and_preempted_run_continues_its_log_and_ends_bitwise_equal(tmp_path):
+    """SIGKILL after step 10 (checkpoint 8), then SIGTERM at step 15, then to the end: the log and the
+    parameters equal an uninterrupted run's (records after the checkpoint are dropped, none is repeated)."""
+    clean, broken = tmp_path / "clean", tmp_path / "broken"
+    reference = run_worker(clean, 25)
+    finish(run_worker(broken, 25, KILL_AT="10"), -9)
+    assert [r["step"] for r in read_metrics(broken / "log" / "metrics.jsonl")][-2:] == [10, 10]  # logged past 8
+    out = finish(run_worker(broken, 25, TERM_AT="15"), exitcodes.EXIT_PREEMPTED)
+    assert "resumed at step 8" in out and "fit: preempted; saved step 15, exiting with 75" in out
+    out = finish(run_worker(broken, 25), 0)
+    assert "resumed at step 15" in out and "fit: 10 steps to step 25" in out
+    finish(reference, 0)
+
+    logged = read_metrics(broken / "log" / "metrics.jsonl")
+    assert logged == read_metrics(clean / "log" / "metrics.jsonl")
+    assert [r["step"] for r in logged if r["split"] == "train"] == [*range(2, 25, 2), 25]
+    assert [r["step"] for r in logged if r["split"] == "eval"] == [5, 10, 15, 20, 25]
+    a, b = np.load(clean / "final.npz"), np.load(broken / "final.npz")
+    for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name])
+    assert (broken / "ckpt" / "config.yaml").read_text() == "learning_rate: 0.01\nhidden: 32\n"
+
+
+@pytest.mark.multiprocess
+def test_only_process_0_prints_and_writes(tmp_path):
+    done = multiprocess.launch(
+        "-n", "2", "--devices-per-process", "2", WORKER, str(tmp_path), "6", env={"PER_PROCESS_LOG": "1"}
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / "log0").iterdir() if not p.name.startswith("events")) == [
+        "config.yaml",
+        "loss.png",
+        "metrics.jsonl",
+    ]
+    assert not (tmp_path / "log1").exists()
+    assert "[0] fit: 2 process(es), 4 devices (2 local)" in done.stdout
+    process_1 = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("[1]")]
+    assert not [line for line in process_1 if "fit" in line or "eval" in line or "step" in line], process_1
+    histories = [json.loads((tmp_path / f"history{p}.json").read_text()) for p in (0, 1)]
+    assert histories[0]["history"] == histories[1]["history"]  # the same decisions and values on both
+    assert [r["step"] for r in histories[0]["history"]] == [2, 4, 5, 6, 6]

@@ -1,0 +1,97 @@
+"""Worker: trains a small MLP with jddp.fit, checkpointing and logging; optionally killed or preempted.
+
+    python tests/workers/fit_train.py OUT STEPS
+
+OUT gets the checkpoints (OUT/ckpt), the logs (OUT/log, or OUT/log<process>
+with PER_PROCESS_LOG=1), each process's history (OUT/history<process>.json) and
+process 0's final parameters (OUT/final.npz). KILL_AT=k: after step k's
+``maybe_save`` (and the saves in flight are published), SIGKILL this process.
+TERM_AT=k: SIGTERM this process just before step k's ``maybe_save`` (a
+preemption: the save is at step k, then exit 75).
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+
+import jddp
+
+jddp.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from jddp.loop import fit  # noqa: E402
+
+out, steps = sys.argv[1], int(sys.argv[2])
+kill_at, term_at = int(os.environ.get("KILL_AT", "-1")), int(os.environ.get("TERM_AT", "-1"))
+rank = jax.process_index()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    learning_rate: float = 1e-2
+    hidden: int = 32
+
+
+class Interrupted(jddp.Checkpointer):
+    """A Checkpointer whose process dies at a chosen step (the test's stand-in for a crash or a scheduler)."""
+
+    def maybe_save(self, state, loader=None):
+        step = int(jax.device_get(state.step))
+        if step == term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        saved = super().maybe_save(state, loader)
+        if step == kill_at:
+            self.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return saved
+
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(300, 16)).astype(np.float32)
+y = (x[:, :4].argmax(1) + (x[:, 4] > 1)).astype(np.int32) % 4
+
+
+def loss_fn(params, model_state, batch, key):
+    logits = jnp.tanh(batch["x"] @ params["w1"] + params["b1"]) @ params["w2"]
+    mask = batch.get("mask")
+    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+    accuracy = jddp.masked_mean((logits.argmax(-1) == batch["y"]).astype(jnp.float32), mask)
+    return loss, (model_state, {"accuracy": accuracy})
+
+
+config = Config()
+init = np.random.default_rng(1)
+params = {
+    "w1": init.normal(size=(16, config.hidden)).astype(np.float32) * 0.3,
+    "b1": np.zeros(config.hidden, np.float32),
+    "w2": init.normal(size=(config.hidden, 4)).astype(np.float32) * 0.3,
+}
+dp = jddp.DataParallel(loss_fn, optax.adamw(config.learning_rate), mesh=jddp.data_mesh())
+state = dp.init(params, rng=3)
+train = jddp.data.DataLoader({"x": x[:240], "y": y[:240]}, global_batch_size=24, seed=3)
+test = jddp.data.DataLoader({"x": x[240:], "y": y[240:]}, global_batch_size=16, shuffle=False, drop_last=False)
+log_dir = os.path.join(out, f"log{rank}" if os.environ.get("PER_PROCESS_LOG") else "log")
+ckpt = Interrupted(os.path.join(out, "ckpt"), save_every=4, max_to_keep=2)
+result = fit(
+    dp,
+    state,
+    train,
+    steps=steps,
+    eval_loader=test,
+    eval_every=5,
+    checkpointer=ckpt,
+    log_dir=log_dir,
+    log_every=2,
+    config=config,
+    progress=True,  # fit shows the bar on process 0 only
+)
+with open(os.path.join(out, f"history{rank}.json"), "w") as f:
+    json.dump({"history": result.history, "final_eval": result.final_eval, "summary": result.summary}, f)
+if rank == 0:
+    np.savez(os.path.join(out, "final.npz"), **{k: np.asarray(v) for k, v in result.state.params.items()})
