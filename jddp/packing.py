@@ -33,6 +33,35 @@ class Field:
     stop: int
 
 
+def layout_of(fields: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> tuple[tuple[Field, ...], int]:
+    """The packed layout of one row holding ``{name: (dtype, shape)}``, and the row's size in bytes.
+
+    Each field starts at a multiple of its item size and the row size is a
+    multiple of the largest one, so NumPy views of the fields in a packed
+    buffer are aligned (NumPy can then gather straight into them).
+    """
+    layout, offset, align = [], 0, 1
+    for name, (dtype, shape) in fields.items():
+        dtype = np.dtype(dtype)
+        if dtype.hasobject:
+            raise ValueError(f"Field {name!r} has dtype {dtype}; only numeric and bool arrays can be packed.")
+        offset = -(-offset // dtype.itemsize) * dtype.itemsize
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        layout.append(Field(name, dtype.str, tuple(int(d) for d in shape), offset, offset + size))
+        offset += size
+        align = max(align, dtype.itemsize)
+    return tuple(layout), max(-(-offset // align) * align, 1)
+
+
+def host_views(data: np.ndarray, layout: tuple[Field, ...]) -> dict[str, np.ndarray]:
+    """NumPy views (no copies) of each field in ``data`` (``uint8[..., row_bytes]``, rows contiguous).
+
+    Writing into a view writes the packed bytes; reading gives the arrays back.
+    """
+    lead = data.shape[:-1]
+    return {f.name: data[..., f.start : f.stop].view(np.dtype(f.dtype)).reshape(*lead, *f.shape) for f in layout}
+
+
 def pack(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, tuple[Field, ...]]:
     """Packs arrays with a common leading size into ``uint8[rows, row_bytes]`` and its layout."""
     rows = {len(v) for v in arrays.values()}
@@ -41,14 +70,17 @@ def pack(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, tuple[Field, ...
             f"Packed arrays must share their leading size, got { {k: len(v) for k, v in arrays.items()} }."
         )
     (n,) = rows
-    columns, layout, offset = [], [], 0
-    for name, value in arrays.items():
-        value = np.ascontiguousarray(value)
-        raw = value.reshape(n, -1).view(np.uint8) if value.dtype != np.bool_ else value.reshape(n, -1).astype(np.uint8)
-        layout.append(Field(name, value.dtype.str, value.shape[1:], offset, offset + raw.shape[1]))
-        columns.append(raw)
-        offset += raw.shape[1]
-    return np.concatenate(columns, axis=1), tuple(layout)
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    layout, row_bytes = layout_of({k: (v.dtype, v.shape[1:]) for k, v in arrays.items()})
+    data = np.zeros((n, row_bytes), np.uint8) if _has_gaps(layout, row_bytes) else np.empty((n, row_bytes), np.uint8)
+    for name, view in host_views(data, layout).items():
+        view[...] = arrays[name]
+    return data, layout
+
+
+def _has_gaps(layout: tuple[Field, ...], row_bytes: int) -> bool:
+    """Whether alignment left padding bytes (zeroed, so packed bytes are deterministic)."""
+    return sum(f.stop - f.start for f in layout) != row_bytes
 
 
 def unpack(data: jax.Array, layout: tuple[Field, ...]) -> dict[str, jax.Array]:

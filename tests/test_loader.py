@@ -110,13 +110,13 @@ def double_with_noise(example, rng):
 def test_per_example_transform_does_not_depend_on_the_process_count():
     data = source(64)
     one = DistributedSampler(64, global_batch_size=16, seed=1)
-    read_one = loader_lib._ReadBatch(data, one, double_with_noise, None)
+    read_one = loader_lib._ReadBatch(data, one, double_with_noise, None).batch
     for position in (0, 5):
         whole = read_one(position)
         parts = []
         for rank in range(4):
             s = DistributedSampler(64, global_batch_size=16, seed=1, num_replicas=4, rank=rank)
-            parts.append(loader_lib._ReadBatch(data, s, double_with_noise, None)(position))
+            parts.append(loader_lib._ReadBatch(data, s, double_with_noise, None).batch(position))
         np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), whole["x"])
         assert not np.allclose(whole["x"], 2 * data["x"][one.local_batch(position).indices])
     second_epoch = read_one(4 + 0)  # same examples' rngs differ across epochs
@@ -149,14 +149,71 @@ def test_record_source_reads_each_example_once_per_epoch():
     np.testing.assert_array_equal(np.concatenate([b["x"] for b in batches]), src.data["x"][np.array(src.reads)])
 
 
-def test_worker_processes_give_the_same_batches():
+def mixed_source(n: int) -> dict[str, np.ndarray]:
+    """Fields of every alignment: the packed rows need padding between them."""
+    rng = np.random.default_rng(3)
+    return {
+        "flag": rng.random(n) < 0.5,
+        "x": rng.normal(size=(n, 2, 3)).astype(np.float32),
+        "small": rng.integers(-100, 100, (n, 5)).astype(np.int8),
+        "y": rng.integers(0, 60_000, n).astype(np.uint16),
+        "z": rng.normal(size=n).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("read_bytes", [1, 2200, 1 << 20], ids=["1-batch-reads", "3-batch-reads", "whole-epoch"])
+def test_blocks_of_any_size_give_the_sampler_rows(monkeypatch, read_bytes):
+    monkeypatch.setattr(loader_lib, "_READ_BYTES", read_bytes)
+    data = mixed_source(70)
+    loader = jddp.data.DataLoader(data, global_batch_size=16, seed=3, drop_last=False, prefetch=1)
+    reference = DistributedSampler(70, global_batch_size=16, seed=3, drop_last=False)
+    assert loader._read.batches_per_read == {1: 1, 2200: 3, 1 << 20: 16}[read_bytes]  # rows of 44 bytes
+    batches = [host(b) for _ in range(2) for b in loader]  # two epochs of 5 batches
+    assert len(batches) == 10
+    for position, batch in enumerate(batches):
+        ref = reference.local_batch(position)
+        for k, v in data.items():
+            assert batch[k].dtype == v.dtype
+            np.testing.assert_array_equal(batch[k], v[ref.indices])
+        np.testing.assert_array_equal(batch["mask"], ref.mask)
+    assert all(f.start % np.dtype(f.dtype).itemsize == 0 for f in loader._read.layout)  # aligned fields
+
+
+def test_array_and_record_sources_give_the_same_bytes():
+    data = source(90)
+    records = CountingSource(90)
+    fast = jddp.data.DataLoader(data, global_batch_size=16, seed=6, drop_last=False)
+    slow = jddp.data.DataLoader(records, global_batch_size=16, seed=6, drop_last=False)
+    assert fast._read.arrays is not None and slow._read.arrays is None
+    for a, b in zip(fast, slow, strict=True):
+        assert a.layout == b.layout
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+def test_direct_transfer_equals_device_put():
+    loader = jddp.data.DataLoader(source(64), global_batch_size=32)
+    assert loader._transfer._put is not None, "JAX's batched_device_put moved; the loader fell back to device_put"
+    data = np.random.default_rng(0).integers(0, 256, (32, 24)).astype(np.uint8)
+    got, want = loader._transfer(data), jax.device_put(data, loader._sharding)
+    assert got.sharding == want.sharding and got.shape == want.shape
+    for a, b in zip(got.addressable_shards, want.addressable_shards, strict=True):
+        assert a.device == b.device and a.index == b.index
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    with pytest.raises(ValueError, match=r"Expected 32 local rows for the batch, got 8"):
+        loader._transfer(data[:8])
+
+
+@pytest.mark.parametrize("transform", [None, double_with_noise], ids=["arrays", "transform"])
+def test_worker_processes_give_the_same_batches(monkeypatch, transform):
+    monkeypatch.setattr(loader_lib, "_READ_BYTES", 3000)  # several blocks per worker
     data = source(96)
-    kwargs = {"global_batch_size": 16, "seed": 4, "transform": double_with_noise}
+    kwargs = {"global_batch_size": 16, "seed": 4, "transform": transform}
     expected = [host(b) for b in jddp.data.DataLoader(data, **kwargs)]
     got = [host(b) for b in jddp.data.DataLoader(data, worker_count=2, **kwargs)]
     assert len(got) == len(expected) == 6
     for a, b in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(a["x"], b["x"])
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_trains_like_pre_staged_batches():

@@ -128,6 +128,33 @@ def test_resume_on_any_replica_count_continues_the_sequence(case, new_replicas, 
         np.testing.assert_array_equal(a, b)
 
 
+@settings(max_examples=40, deadline=None)
+@given(setups(), st.integers(0, 40), st.data())
+def test_local_block_equals_the_definition(case, position, data):
+    setup, replicas = case
+    rank = data.draw(st.integers(0, replicas - 1))
+    s = DistributedSampler(**setup, num_replicas=replicas, rank=rank)
+    per_epoch = len(s)
+    count = data.draw(st.integers(1, per_epoch - position % per_epoch))
+    indices, mask, places = s.local_block(position, count)
+    n, batch = setup["dataset_size"], setup["global_batch_size"]
+    epoch, first = divmod(position, per_epoch)
+    order = np.random.default_rng([setup["seed"], epoch]).permutation(n) if setup["shuffle"] else np.arange(n)
+    width = batch // replicas
+    for j in range(count):
+        want = np.arange((first + j) * batch, (first + j + 1) * batch)[rank * width : (rank + 1) * width]
+        np.testing.assert_array_equal(mask[j], (want < n).astype(np.float32))
+        np.testing.assert_array_equal(places[j], want % n)
+        np.testing.assert_array_equal(indices[j], order[want % n])
+        np.testing.assert_array_equal(indices[j], s.local_batch(position + j).indices)
+
+
+def test_local_block_must_stay_inside_one_epoch():
+    s = DistributedSampler(100, global_batch_size=10)
+    with pytest.raises(ValueError, match=r"inside one epoch of 10 batches, got position=17, count=4"):
+        s.local_block(17, 4)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -153,18 +153,39 @@ class DistributedSampler:
 
     def global_batch(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(indices, mask, order)`` of the global batch at ``position``, all replicas."""
-        epoch, b = divmod(position, len(self))
-        places = np.arange(b * self.global_batch_size, (b + 1) * self.global_batch_size)
-        mask = (places < self.dataset_size).astype(np.float32)
-        places = np.where(mask > 0, places, places % self.dataset_size)  # padding re-reads valid entries
-        return self.order(epoch)[places], mask, places
+        return tuple(a[0] for a in self._block(position, 1, 0, self.global_batch_size))
 
     def local_batch(self, position: int) -> LocalBatch:
         """This replica's slice of the global batch at ``position``."""
-        indices, mask, places = self.global_batch(position)
-        lo = self.rank * self.local_batch_size
-        sl = slice(lo, lo + self.local_batch_size)
-        return LocalBatch(position, position // len(self), indices[sl], mask[sl], places[sl])
+        indices, mask, places = self.local_block(position, 1)
+        return LocalBatch(position, position // len(self), indices[0], mask[0], places[0])
+
+    def local_block(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This replica's slices of ``count`` consecutive global batches of one epoch, in one go.
+
+        Returns:
+          ``(indices, mask, order)``, each ``[count, B/R]``: row ``j`` is
+          ``local_batch(position + j)``'s ``indices``, ``mask`` and ``order``.
+
+        Raises:
+          ValueError: if the batches run past the end of ``position``'s epoch.
+        """
+        if count < 1 or position % len(self) + count > len(self):
+            raise ValueError(
+                f"A block must lie inside one epoch of {len(self)} batches, got position={position}, "
+                f"count={count}; split it at the epoch boundary."
+            )
+        return self._block(position, count, self.rank * self.local_batch_size, self.local_batch_size)
+
+    def _block(self, position: int, count: int, lo: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        epoch, b = divmod(position, len(self))
+        starts = (b + np.arange(count, dtype=np.int64)) * self.global_batch_size + lo
+        places = starts[:, None] + np.arange(width, dtype=np.int64)
+        valid = places < self.dataset_size
+        mask = valid.astype(np.float32)
+        if not valid.all():
+            places = np.where(valid, places, places % self.dataset_size)  # padding re-reads valid entries
+        return self.order(epoch)[places], mask, places
 
     def __iter__(self) -> Iterator[LocalBatch]:
         """This replica's batches from the position to the end of its epoch, advancing it."""
