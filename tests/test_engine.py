@@ -249,21 +249,42 @@ def test_bf16_reduce_rounds_gradients(mesh):
         assert "widens a bf16 all-reduce to f32" in str(report)
 
 
-def test_comm_report_moves_exactly_the_gradient_bytes(mesh):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "per-leaf"])
+def test_comm_report_moves_exactly_the_gradient_bytes(mesh, fuse):
     model = models.pytree()
-    dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh)
+    dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, fuse_allreduce=fuse)
     state = dp.init(model.params)
     report = dp.comm_report(state, models.batch(64))
     grad_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     assert report.count("all-reduce") == 1 and len(report.collectives) == 1
     (allreduce,) = report.collectives
-    arrays = [(d, s) for d, s in allreduce.operands if s]
-    scalars = [(d, s) for d, s in allreduce.operands if not s]
-    assert sorted(s for _, s in arrays) == sorted(np.shape(x) for x in jax.tree.leaves(model.params))
     assert all(d == "f32" for d, _ in allreduce.operands)
-    assert allreduce.nbytes == grad_bytes + 4 * len(scalars) and len(scalars) <= 6
+    if fuse:  # one flat buffer: the gradient elements and at most 6 scalars (loss, counts, metrics)
+        ((_, (size,)),) = allreduce.operands
+        assert grad_bytes < 4 * size <= grad_bytes + 4 * 6
+        assert allreduce.nbytes == 4 * size
+    else:  # one operand per leaf
+        arrays = [(d, s) for d, s in allreduce.operands if s]
+        scalars = [(d, s) for d, s in allreduce.operands if not s]
+        assert sorted(s for _, s in arrays) == sorted(np.shape(x) for x in jax.tree.leaves(model.params))
+        assert allreduce.nbytes == grad_bytes + 4 * len(scalars) and len(scalars) <= 6
     table = str(report)
     assert "all-reduce" in table and f"{allreduce.nbytes:,}" in table
+
+
+def test_fused_and_per_leaf_all_reduce_train_alike(mesh):
+    """The fused buffer sums the same numbers: params equal the per-leaf path's (bf16 wire and BatchNorm too)."""
+    for kind, wire in (("linen", None), ("pytree", jnp.bfloat16)):
+        model = models.FACTORIES[kind]()
+        batches = [models.batch(64, seed) for seed in range(3)]
+        runs = [
+            train(jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh, reduce_dtype=wire, fuse_allreduce=f),
+                  model, batches)[0]
+            for f in (True, False)
+        ]  # fmt: skip
+        assert max_diff(runs[0].params, runs[1].params) < 1e-6
+        assert max_diff(runs[0].model_state, runs[1].model_state) < 1e-6
+        assert max_diff(runs[0].params, model.params) > 1e-2
 
 
 def test_second_step_does_not_recompile(mesh):
@@ -350,3 +371,9 @@ def test_metrics_are_read_once_and_name_clashes_raise(mesh):
     assert isinstance(metrics["loss"], float) and metrics.packed.shape == (5,)
     with pytest.raises(KeyError, match=r"No metric 'acc'; the metrics are"):
         metrics["acc"]
+
+
+def test_bad_fuse_allreduce(mesh):
+    model = models.pytree()
+    with pytest.raises(ValueError, match=r"`fuse_allreduce` must be True, False or None .*fuse_allreduce='yes'"):
+        jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh, fuse_allreduce="yes")

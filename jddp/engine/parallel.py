@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp import packing, runtime
 from jddp import typing as jt
-from jddp.engine import comm, dispatch, reduce, replicas
+from jddp.engine import comm, dispatch, fused, reduce, replicas
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import state as state_lib
 
@@ -51,6 +51,7 @@ class _Options:
     nonfinite: str
     donate: bool
     max_inflight: int
+    fuse_allreduce: bool | None
 
     def __post_init__(self):
         k = self.accumulate_steps
@@ -69,6 +70,10 @@ class _Options:
         m = self.max_inflight
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"`max_inflight` must be an int >= 1, got max_inflight={m!r}.")
+        if self.fuse_allreduce is not None and not isinstance(self.fuse_allreduce, bool):
+            raise ValueError(
+                f"`fuse_allreduce` must be True, False or None (automatic), got fuse_allreduce={self.fuse_allreduce!r}."
+            )
 
 
 class DataParallel:
@@ -104,6 +109,10 @@ class DataParallel:
         ``eval_step``; ``None`` reports ``loss_fn``'s loss and metrics.
       max_inflight: steps dispatched ahead of the host (see
         ``jddp.engine.dispatch``).
+      fuse_allreduce: sum the gradients and every other reduced value as one
+        flat buffer per dtype (``jddp.engine.fused``) instead of one buffer per
+        leaf; ``None`` does so on CPU devices, where XLA runs one collective per
+        buffer in sequence (one gloo ring pass each between processes).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
@@ -131,6 +140,7 @@ class DataParallel:
         donate: bool = True,
         eval_fn: jt.EvalFn | None = None,
         max_inflight: int = 2,
+        fuse_allreduce: bool | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
@@ -140,9 +150,14 @@ class DataParallel:
             raise ValueError(
                 f"`mesh` must be a jax.sharding.Mesh with an axis named {DATA!r}, got {mesh!r}; use `jddp.data_mesh()`."
             )
-        self.options = _Options(accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight)
+        self.options = _Options(
+            accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce
+        )
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
         self.num_devices = mesh.shape[DATA]
+        if fuse_allreduce is None:  # the same on every process: the mesh is global
+            fuse_allreduce = all(d.platform == "cpu" for d in mesh.devices.flat)
+        self._psum = fused.fused_psum if fuse_allreduce else lax.psum
         self._rep = runtime.replicated(mesh)
         self._batch = runtime.batch_sharding(mesh)
         self._checked: tuple | None = None
@@ -369,11 +384,12 @@ class DataParallel:
             grads, model_state, sums = self._accumulate(params_v, state.model_state, batch, key)
 
         # The one all-reduce: gradients, loss/metric totals, counts and any
-        # model state still varying, summed together (XLA emits one op).
+        # model state still varying, summed together (XLA emits one op; on CPU
+        # `fused_psum` makes it one buffer per dtype, so one pass of the ring).
         synced, varying_state, unflatten_state = _split_varying(model_state)
         wire = opts.reduce_dtype
         grads_wire = grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
-        grads_sum, sums, synced_sum = lax.psum((grads_wire, sums, varying_state), DATA)
+        grads_sum, sums, synced_sum = self._psum((grads_wire, sums, varying_state), DATA)
         model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
 
         return self._apply(state, grads_sum, sums, model_state)
@@ -466,7 +482,7 @@ class DataParallel:
         if not isinstance(metrics, dict):
             raise TypeError(f"`eval_fn` must return a dict of scalars, got {type(metrics).__name__}.")
         sums = {k: reduce.as_weighted(v, count, f"Metric {k!r}") for k, v in metrics.items()}
-        sums, examples = lax.psum((jax.tree.map(_varying, sums), _varying(count)), DATA)
+        sums, examples = self._psum((jax.tree.map(_varying, sums), _varying(count)), DATA)
         metrics = {k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}
         _check_metric_names(metrics, {"examples": examples})
         packed = self._pack("eval", {**metrics, "examples": examples})

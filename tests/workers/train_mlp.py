@@ -14,11 +14,20 @@ import jddp
 jddp.initialize()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from examples.mnist1d import train as example  # noqa: E402
 from jddp import models  # noqa: E402
+
+
+def classification_metrics(logits, batch):
+    mask = batch.get("mask")
+    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+    accuracy = jddp.masked_mean((jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32), mask)
+    return loss, {"accuracy": accuracy}
+
 
 out, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 20
 optimizer = sys.argv[3] if len(sys.argv) > 3 else "adamw"
@@ -28,7 +37,7 @@ graphdef, params, model_state = example.make_model(config)
 if jax.process_index() != 0:  # other seeds on other processes: init must broadcast process 0's values
     params = jax.tree.map(lambda x: np.asarray(x) + 1.0, params)
 dp = jddp.DataParallel(
-    models.nnx_loss(graphdef, lambda model, batch, rng: example.classification_metrics(model(batch["x"]), batch)),
+    models.nnx_loss(graphdef, lambda model, batch, rng: classification_metrics(model(batch["x"]), batch)),
     optax.adamw(3e-3) if optimizer == "adamw" else optax.sgd(0.05, momentum=0.9),
     mesh=jddp.data_mesh(),
 )

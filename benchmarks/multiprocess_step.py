@@ -1,0 +1,226 @@
+"""Step time of the MNIST-1D MLP over process x device topologies, through ``jddp launch``.
+
+For each topology (processes x simulated devices per process) the script runs
+``jddp launch -n P --devices-per-process D`` on itself in worker mode. A worker
+builds the MNIST-1D MLP (40-256-256-10, AdamW, global batch 128) and times,
+step by step (each step waited for), on batches staged on the devices
+beforehand:
+
+* ``jddp``: ``DataParallel`` with its defaults (on CPU the all-reduce is one
+  fused buffer per dtype, ``jddp.engine.fused``);
+* ``jddp per-leaf``: the same with ``fuse_allreduce=False``, one all-reduce
+  buffer per leaf (jddp before the fused buffer);
+* ``hand-written pmean``: a ``jit(shard_map)`` step with a plain
+  ``lax.pmean((loss, grads))`` and the optax update, what a JAX user writes;
+* ``hand-written fused``: the same with loss and gradients concatenated into one
+  vector before the ``pmean``.
+
+Variants alternate in blocks inside each worker (the order rotating), and
+topologies alternate over rounds (the order reversed every other round), so
+machine noise hits them alike. The table gives the median and 90th percentile
+over every timed step, the ratio of medians to the same variant on 1x8, and to
+``hand-written pmean`` in the same topology.
+
+    python -m benchmarks.multiprocess_step --topologies 1x8,2x1,2x2,2x4 --rounds 3
+    python -m benchmarks.multiprocess_step --topologies 2x4 --env XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("jddp", "jddp per-leaf", "hand-written pmean", "hand-written fused")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--topologies", default="1x8,2x1,2x2,2x4", help="comma-separated PROCESSESxDEVICES")
+    p.add_argument("--rounds", type=int, default=3, help="launches per topology")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per variant in a launch")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per block")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the workers (repeatable)")
+    p.add_argument("--json", default=None, help="also write the per-step times to this file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+# ----------------------------------------------------------------- worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    import jddp
+
+    jddp.initialize(verbose=False)
+    import itertools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jddp import runtime
+    from jddp.engine import replicas
+
+    variants = args.variants.split(",")
+    sizes, batch_size, n_batches = [40, 256, 256, 10], 128, 8
+    rng = np.random.default_rng(0)
+    params = {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
+              for i, (a, b) in enumerate(itertools.pairwise(sizes))}  # fmt: skip
+    optimizer = optax.adamw(3e-3, weight_decay=1e-4)
+    mesh = jddp.data_mesh()
+
+    def forward(params, x):
+        for i in range(len(sizes) - 1):
+            x = x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"]
+            x = jax.nn.relu(x) if i < len(sizes) - 2 else x
+        return x
+
+    def loss_fn(params, model_state, batch, rng):
+        losses = optax.softmax_cross_entropy_with_integer_labels(forward(params, batch["x"]), batch["y"])
+        correct = (jnp.argmax(forward(params, batch["x"]), -1) == batch["y"]).astype(jnp.float32)
+        mask = batch.get("mask")
+        return jddp.masked_mean(losses, mask), (model_state, {"accuracy": jddp.masked_mean(correct, mask)})
+
+    # Batches staged as global arrays: each process holds its rows.
+    sharding = NamedSharding(mesh, P("data"))
+    rows = batch_size // jax.process_count()
+    lo = jax.process_index() * rows
+    batches = []
+    for _ in range(n_batches):
+        x = rng.normal(size=(batch_size, 40)).astype(np.float32)
+        y = rng.integers(0, 10, batch_size).astype(np.int32)
+        batches.append({
+            "x": jax.make_array_from_process_local_data(sharding, x[lo : lo + rows], x.shape),
+            "y": jax.make_array_from_process_local_data(sharding, y[lo : lo + rows], y.shape),
+        })  # fmt: skip
+
+    # Hand-written steps: value_and_grad on varying params, pmean, optax update.
+    def mean_loss(p, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(forward(p, batch["x"]), batch["y"]).mean()
+
+    def hand_step(fuse: bool):
+        def local(p, opt_state, batch):
+            varying = jax.tree.map(lambda a: lax.pcast(a, "data", to="varying"), p)
+            loss, grads = jax.value_and_grad(mean_loss)(varying, batch)
+            if fuse:
+                leaves, treedef = jax.tree.flatten((loss, grads))
+                flat = lax.pmean(jnp.concatenate([jnp.ravel(a) for a in leaves]), "data")
+                cuts = np.cumsum([a.size for a in leaves])[:-1]
+                leaves = [f.reshape(a.shape) for f, a in zip(jnp.split(flat, cuts), leaves, strict=True)]
+                loss, grads = jax.tree.unflatten(treedef, leaves)
+            else:
+                loss, grads = lax.pmean((loss, grads), "data")
+            updates, opt_state = optimizer.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, loss
+
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+        step = jax.jit(mapped, donate_argnums=(0, 1))
+        rep = runtime.replicated(mesh)
+        p = jax.tree.map(lambda a: replicas.put_replicated(a, rep), params)
+        holder = [p, jax.jit(optimizer.init, out_shardings=rep)(p)]
+
+        def run(batch):
+            holder[0], holder[1], loss = step(holder[0], holder[1], batch)
+            return loss
+
+        return run
+
+    def jddp_step(fuse: bool | None):
+        dp = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, fuse_allreduce=fuse)
+        holder = [dp.init(params, rng=0)]
+
+        def run(batch):
+            holder[0], _ = dp.step(holder[0], batch)
+            return holder[0].params
+
+        return run
+
+    makers = {
+        "jddp": lambda: jddp_step(None),
+        "jddp per-leaf": lambda: jddp_step(False),
+        "hand-written pmean": lambda: hand_step(False),
+        "hand-written fused": lambda: hand_step(True),
+    }
+    runs = {name: makers[name]() for name in variants}
+    for run in runs.values():  # compile and warm up, one program at a time
+        for b in batches[:3]:
+            jax.block_until_ready(run(b))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for block in range(args.blocks):
+        order = variants[block % len(variants) :] + variants[: block % len(variants)]
+        for name in order:
+            for i in range(args.steps):
+                start = time.perf_counter()
+                jax.block_until_ready(runs[name](batches[i % n_batches]))
+                times[name].append((time.perf_counter() - start) * 1e3)
+    if jax.process_index() == 0:
+        print("RESULT " + json.dumps(times), flush=True)
+
+
+# ----------------------------------------------------------------- driver
+
+
+def launch(topology: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    procs, devices = topology.split("x")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    env.update(kv.split("=", 1) for kv in args.env)
+    cmd = [sys.executable, "-m", "jddp.launch", "-n", procs, "--devices-per-process", devices, __file__, "--worker"]
+    cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps), "--variants", args.variants]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    for line in done.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise RuntimeError(f"{topology} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = get_args_parser().parse_args(argv)
+    if args.worker:
+        worker(args)
+        return {}
+    import numpy as np
+
+    topologies = args.topologies.split(",")
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}.")
+    times = {t: {v: [] for v in variants} for t in topologies}
+    for r in range(args.rounds):
+        for t in topologies if r % 2 == 0 else topologies[::-1]:
+            started = time.perf_counter()
+            for v, ms in launch(t, args).items():
+                times[t][v].extend(ms)
+            print(f"round {r + 1}/{args.rounds} {t}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    median = {t: {v: float(np.median(times[t][v])) for v in variants} for t in topologies}
+    p90 = {t: {v: float(np.percentile(times[t][v], 90)) for v in variants} for t in topologies}
+    base = topologies[0]
+    ref = "hand-written pmean" if "hand-written pmean" in variants else variants[0]
+    print(
+        f"ms per step, {args.rounds} launches x {args.blocks} blocks x {args.steps} steps; env: {args.env or 'default'}"
+    )
+    print(f"{'topology':<9} {'variant':<19} {'median':>8} {'p90':>8} {f'/ {base}':>8} {'/ ' + ref:>21}")
+    for t in topologies:
+        for v in variants:
+            print(f"{t:<9} {v:<19} {median[t][v]:8.2f} {p90[t][v]:8.2f} {median[t][v] / median[base][v]:8.2f} "
+                  f"{median[t][v] / median[t][ref]:21.2f}")  # fmt: skip
+    result = {"median_ms": median, "p90_ms": p90, "env": args.env}
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "times_ms": times}, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
