@@ -35,15 +35,19 @@ Guarantees:
 * **Any topology.** The state is restored into the shardings of the ``state``
   passed to ``restore_or_init`` (Orbax reshards), and the loader continues the
   same global batch sequence on any process count.
-* **Preemption.** On SIGTERM (to any process, e.g. forwarded by ``jddp launch``
-  or sent by a scheduler) the processes agree on a step (JAX's preemption sync
-  point in a group; a signal handler in a single process), ``maybe_save`` saves
-  that step, waits for the write, and raises ``SystemExit(75)``
-  (``jddp.EXIT_PREEMPTED``). Running again resumes.
+* **Preemption.** While a ``Checkpointer`` is open it catches SIGTERM (to any
+  process, e.g. forwarded by ``jddp launch`` or sent by a scheduler to one
+  process). A single process stops at the next ``maybe_save``. In a group the
+  processes exchange their notices with one small all-gather about every
+  ``preemption_check_s`` seconds, at steps they agreed at the previous
+  exchange, and all stop at the same step. ``maybe_save`` saves that step,
+  waits for the write, and raises ``SystemExit(75)`` (``jddp.EXIT_PREEMPTED``).
+  Running again resumes.
 * **Agreement.** ``maybe_save`` decides from a step counter every process
-  keeps the same way (call it once per step on every process), never from local
-  state. Every process takes part in every save (Orbax writes each process's
-  shards and synchronises with time-limited barriers).
+  keeps the same way (call it once per step on every process) and from
+  collectives, never from local state alone. Every process takes part in every
+  save (Orbax writes each process's share of every array and synchronises with
+  time-limited barriers).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -140,6 +145,39 @@ def _as_dict(state: TrainState) -> dict[str, Any]:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
+def _one_copy_per_process(x: Any) -> Any:
+    """A replicated array as the same values on one device per process, sharing that device's buffer.
+
+    Orbax splits the writing of a replicated array among its replicas
+    (``use_replica_parallel``), slicing every local replica with a JAX op while
+    the caller waits. Handed one replica per process, it slices nothing in a
+    single process (the shard is copied to the host as a view) and one slice
+    per process in a group, so every process still writes its share. The
+    devices are chosen from the sharding alone (the lowest id of each
+    process), hence the same on every process. The saved values, and so the
+    restore into any sharding, are unchanged.
+    """
+    if (
+        not isinstance(x, jax.Array)
+        or not x.is_fully_replicated
+        or len(x.sharding.device_set) == 1
+        or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+    ):
+        return x
+    first: dict[int, jax.Device] = {}
+    for device in sorted(x.sharding.device_set, key=lambda d: d.id):
+        first.setdefault(device.process_index, device)
+    mine = first[jax.process_index()]
+    shard = next(s.data for s in x.addressable_shards if s.device == mine)
+    return jax.make_array_from_single_device_arrays(x.shape, _replicated_on(tuple(first.values())), [shard])
+
+
+@functools.lru_cache(maxsize=16)
+def _replicated_on(devices: tuple[jax.Device, ...]) -> jax.sharding.NamedSharding:
+    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 def config_fingerprint(config: Any) -> tuple[str, dict[str, Any]]:
     """A stable fingerprint of a config (dataclass, OmegaConf config, mapping) and its JSON form."""
     if config is None:
@@ -202,32 +240,104 @@ def _all_agree(flag: bool) -> bool:
     return bool(flags.min())
 
 
+_SIGTERM = threading.Event()  # set by the handler below; process-wide, shared by every Checkpointer
+_handler_users = 0
+_handler_previous: Any = None
+
+
+def _on_sigterm(signum, frame) -> None:
+    _SIGTERM.set()
+
+
+def _install_sigterm_handler() -> bool:
+    """Routes SIGTERM to ``_SIGTERM`` while a Checkpointer is open; False where that is impossible.
+
+    Installed over the default action and over a handler not set from Python
+    (``signal.getsignal`` gives ``None``: JAX's preemption notifier, which would
+    otherwise swallow the signal); a handler the program set itself is left alone.
+    """
+    global _handler_users, _handler_previous
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current = signal.getsignal(signal.SIGTERM)
+    if current is not _on_sigterm:
+        if current not in (signal.SIG_DFL, None):
+            return False
+        _handler_previous = current
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    _handler_users += 1
+    return True
+
+
+def _uninstall_sigterm_handler() -> None:
+    """When the last Checkpointer closes: the default action again (JAX's notifier cannot be put back)."""
+    global _handler_users
+    _handler_users -= 1
+    if _handler_users == 0 and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class _Preemption:
-    """SIGTERM seen by any process, agreed at one step by all."""
+    """A SIGTERM seen by any process, agreed at one step by all.
 
-    def __init__(self) -> None:
-        self.flag = threading.Event()
+    Alone, a process stops at the first step after its signal. In a group, the
+    processes exchange their notices with one all-gather at agreed steps (every
+    ``check_s`` seconds of process 0's wall time, converted to steps and shared
+    by the same all-gather), and all stop at the first of those steps after any
+    notice. A notice is a SIGTERM caught here, or JAX's preemption sync point
+    (for a signal that JAX caught before a Checkpointer was open). JAX's sync
+    point alone is not enough: it is computed in the background from the steps
+    the processes had reached, and a process that asks for that step before
+    the answer arrives is told False and trains on while the others stop
+    (measured under ``jddp launch``: the others exit, it waits forever in the
+    next step's collective).
+    """
+
+    MAX_INTERVAL = 10_000
+
+    def __init__(self, check_s: float) -> None:
         self.group = jax.process_count() > 1
-        self.installed = False
-        if not self.group and threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGTERM)
+        self.installed = _install_sigterm_handler()
+        self.check_s = check_s
+        self.notice = False
+        self.next_check: int | None = None
+        self.last: tuple[int, float] | None = None  # (step, time) of the last exchange
 
-            def handler(signum, frame):
-                self.flag.set()
-
-            if previous in (signal.SIG_DFL, None):
-                signal.signal(signal.SIGTERM, handler)
-                self.installed = True
+    def close(self) -> None:
+        if self.installed:
+            self.installed = False
+            _uninstall_sigterm_handler()
 
     def reached(self, step: int) -> bool:
-        if self.group:
-            from jax.experimental import multihost_utils
+        """Called once per step with the same steps on every process; True on all of them at one step."""
+        self.notice = self.notice or _SIGTERM.is_set() or (self.group and _jax_sync_point(step))
+        if not self.group:
+            return self.notice
+        if self.next_check is not None and step < self.next_check:
+            return False
+        now = time.monotonic()
+        interval = 1
+        if self.last is not None and now > self.last[1]:
+            per_step = (now - self.last[1]) / max(step - self.last[0], 1)
+            interval = int(min(max(self.check_s / per_step, 1), self.MAX_INTERVAL))
+        dispatch.DISPATCHER.drain()  # no other program with collectives in flight (JAX_NOTES: deadlock)
+        from jax.experimental import multihost_utils
 
-            try:
-                return bool(multihost_utils.reached_preemption_sync_point(step))
-            except RuntimeError:  # the preemption service is off (jax_enable_preemption_service=False)
-                return False
-        return self.flag.is_set()
+        rows = np.asarray(multihost_utils.process_allgather(np.asarray([int(self.notice), interval], np.int32)))
+        rows = rows.reshape(jax.process_count(), 2)
+        self.next_check = step + int(rows[0, 1])  # process 0's proposal, the same everywhere
+        self.last = (step, time.monotonic())
+        return bool(rows[:, 0].max())
+
+
+def _jax_sync_point(step: int) -> bool:
+    from jax.experimental import multihost_utils
+
+    try:
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+    except RuntimeError:  # the preemption service is off (jax_enable_preemption_service=False)
+        return False
 
 
 # --------------------------------------------------------------------- the checkpointer
@@ -250,6 +360,10 @@ class Checkpointer:
         ``SystemExit(EXIT_PREEMPTED)``; when False, ``maybe_save`` returns and
         ``preempted`` becomes True.
       timeout_s: limit for Orbax's barriers between processes during a save.
+      preemption_check_s: in a group, how often (in process 0's wall time,
+        converted to steps) the processes exchange preemption notices: the
+        longest a SIGTERM waits before the save starts, plus one step. Each
+        exchange is one small all-gather; 0 exchanges at every step.
 
     Raises:
       PermissionError: if ``directory`` cannot be created or written.
@@ -267,6 +381,7 @@ class Checkpointer:
         async_save: bool = True,
         exit_on_preemption: bool = True,
         timeout_s: int = 600,
+        preemption_check_s: float = 1.0,
     ) -> None:
         if save_every is not None and (
             isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
@@ -274,6 +389,12 @@ class Checkpointer:
             raise ValueError(f"`save_every` must be a positive int or None, got {save_every!r}.")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"`max_to_keep` must be a positive int or None, got {max_to_keep!r}.")
+        if (
+            isinstance(preemption_check_s, bool)
+            or not isinstance(preemption_check_s, int | float)
+            or not (0 <= preemption_check_s < float("inf"))
+        ):
+            raise ValueError(f"`preemption_check_s` must be a finite number >= 0, got {preemption_check_s!r}.")
         self.directory = Path(directory).absolute()
         self._check_writable()
         self.save_every, self.max_to_keep = save_every, max_to_keep
@@ -289,7 +410,7 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
         )
         self._manager = self._open()
-        self._preemption = _Preemption()
+        self._preemption = _Preemption(float(preemption_check_s))
         self._step: int | None = None  # host-side step, the same on every process
         self._last_saved: int | None = None
         self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0}
@@ -355,7 +476,7 @@ class Checkpointer:
             "digests": concurrent.futures.Future(),  # set below; read by MetaHandler in the background
             "time": time.time(),
         }
-        items = {STATE: ocp.args.StandardSave(tree), META: MetaSave(meta)}
+        items = {STATE: ocp.args.StandardSave(jax.tree.map(_one_copy_per_process, tree)), META: MetaSave(meta)}
         if loader is not None:
             items[LOADER] = ocp.args.JsonSave(loader.get_state())
         digests = meta["digests"]
@@ -391,7 +512,7 @@ class Checkpointer:
         else:
             self._step += 1
         step = self._step
-        if self._preemption.reached(step):
+        if not self.preempted and self._preemption.reached(step):
             self.save(state, loader, wait=True)
             self.preempted = True
             if self.exit_on_preemption:
@@ -407,7 +528,8 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the last save and releases Orbax's resources."""
+        """Waits for the last save and releases Orbax's resources (and SIGTERM, when the last one closes)."""
+        self._preemption.close()
         self._manager.wait_until_finished()
         self._manager.close()
 

@@ -269,28 +269,75 @@ def read_consumed(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+TWO_PROCESS_STEPS = 30
+
+
+def launch_worker(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The checkpointing worker under ``jddp launch -n 2`` for ``TWO_PROCESS_STEPS`` steps."""
+    out.mkdir(exist_ok=True)
+    return multiprocess.launch(
+        *("-n", "2", "--max-restarts", "3", "--kill-grace", "1", "--peer-timeout", "5", "--term-timeout", "60"),
+        *(WORKER, str(out), str(TWO_PROCESS_STEPS), *args),
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_process_reference(tmp_path_factory):
+    """An uninterrupted 2-process run: the ids each step consumed, and the final parameters."""
+    out = tmp_path_factory.mktemp("clean")
+    done = launch_worker(out)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    reference = {r["step"]: r["ids"] for r in read_consumed(out / "consumed.jsonl")}
+    assert sorted(reference) == list(range(1, TWO_PROCESS_STEPS + 1))
+    return reference, dict(np.load(out / "final.npz"))
+
+
+def assert_same_run(out: Path, reference) -> list[dict]:
+    """Every step of every attempt consumed the reference's examples, and the final parameters are bitwise equal."""
+    consumed, params = reference
+    log = read_consumed(out / "consumed.jsonl")
+    for record in log:
+        assert record["ids"] == consumed[record["step"]], (record["attempt"], record["step"])
+    final = np.load(out / "final.npz")
+    assert sorted(final.files) == sorted(params)
+    for name, value in params.items():
+        np.testing.assert_array_equal(final[name], value)
+    return log
+
+
 @pytest.mark.multiprocess
-def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path):
+def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_reference):
     """jddp launch --max-restarts 3; process 1 SIGKILLs itself at two random steps."""
     kills = sorted(np.random.default_rng(int.from_bytes(os.urandom(4), "little")).choice(np.arange(5, 28), 2, False))
-    runs = {}
-    for name, extra in (("clean", []), ("killed", [f"{kills[0]},{kills[1]}"])):
-        out = tmp_path / name
-        out.mkdir()
-        done = multiprocess.launch(
-            "-n", "2", "--max-restarts", "3", "--kill-grace", "1", "--peer-timeout", "5", WORKER, str(out), "30", *extra
-        )
-        assert done.returncode == 0, f"kills at {kills}\n{done.stdout}\n{done.stderr}"
-        runs[name] = out
-    killed_log = read_consumed(runs["killed"] / "consumed.jsonl")
-    assert {r["attempt"] for r in killed_log} == {0, 1, 2}, kills
-    reference = {r["step"]: r["ids"] for r in read_consumed(runs["clean"] / "consumed.jsonl")}
-    assert sorted(reference) == list(range(1, 31))
-    for record in killed_log:  # every step of every attempt, after every restore, consumed the same examples
-        assert record["ids"] == reference[record["step"]], (kills, record["attempt"], record["step"])
-    a, b = np.load(runs["clean"] / "final.npz"), np.load(runs["killed"] / "final.npz")
-    for name in a.files:
-        np.testing.assert_array_equal(a[name], b[name])
+    done = launch_worker(tmp_path, f"{kills[0]},{kills[1]}")
+    assert done.returncode == 0, f"kills at {kills}\n{done.stdout}\n{done.stderr}"
+    log = assert_same_run(tmp_path, two_process_reference)
+    assert {r["attempt"] for r in log} == {0, 1, 2}, kills
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["launcher", "self"], ids=["to-the-launcher", "to-process-1-only"])
+def test_two_processes_sigterm_save_the_agreed_step_and_resume_bitwise_equal(tmp_path, two_process_reference, target):
+    """SIGTERM after step 8, to the launcher (forwarded to both) or to process 1 alone: both stop at one step."""
+    env = {"TERM_AT": "8", "TERM_TO": target, "TERM_PAUSE": "1", "PREEMPTION_CHECK_S": "0.02"}
+    done = launch_worker(tmp_path, env=env)
+    shown = f"{done.stdout}\n{done.stderr}"
+    assert done.returncode == exitcodes.EXIT_PREEMPTED, shown
+    stops = sorted(line.split("] ", 1)[1] for line in done.stdout.splitlines() if "PREEMPTED process" in line)
+    assert len(stops) == 2, shown
+    step = int(stops[0].split(" at step ")[1].split(",")[0])
+    assert stops == [f"PREEMPTED process {i} at step {step}, exit {exitcodes.EXIT_PREEMPTED}" for i in (0, 1)]
+    assert 8 <= step < TWO_PROCESS_STEPS, shown
+    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert saved[-1] == step, saved  # the step the group stopped at is saved: no work lost
+    assert max(r["step"] for r in read_consumed(tmp_path / "consumed.jsonl")) == step
+
+    done = launch_worker(tmp_path)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert f"RESUMED at step {step} attempt 0" in done.stdout
+    log = assert_same_run(tmp_path, two_process_reference)
+    assert [r["step"] for r in log] == list(range(1, TWO_PROCESS_STEPS + 1))  # continues exactly, nothing repeated
 
 
 def run_worker(out: Path, steps: int, devices: int) -> subprocess.CompletedProcess:

@@ -6,13 +6,18 @@ DIR gets the checkpoints (DIR/ckpt), a log of consumed examples (DIR/consumed.js
 one line per step and attempt, written by process 0) and the final parameters
 (DIR/final.npz). KILL_STEPS (comma-separated) makes process 1 (process 0 when
 alone) SIGKILL itself after that step in attempt 0, 1, ... ($JDDP_RESTART_COUNT).
-TERM_AT=step makes that process send itself SIGTERM after that step.
+TERM_AT=step makes that process send SIGTERM after that step in attempt 0: to itself, or with
+TERM_TO=launcher to its parent (``jddp launch``, which forwards it to every process); it then
+pauses for TERM_PAUSE seconds (default 0), so that the notice reaches every process while the
+run still has steps to go. A process stopped by preemption prints its step before exiting.
+PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1).
 """
 
 import json
 import os
 import signal
 import sys
+import time
 
 import jddp
 
@@ -29,6 +34,7 @@ kills = [int(k) for k in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.ar
 attempt = int(os.environ.get("JDDP_RESTART_COUNT", "0"))
 killer = min(1, jax.process_count() - 1)
 term_at = int(os.environ.get("TERM_AT", "-1"))
+term_to = os.environ.get("TERM_TO", "self")
 
 rng = np.random.default_rng(0)
 source = {
@@ -54,7 +60,13 @@ params = {
 dp = jddp.DataParallel(loss_fn, optax.adamw(1e-2), mesh=jddp.data_mesh())
 state = dp.init(params)
 loader = jddp.data.DataLoader(source, global_batch_size=24, seed=3)
-ckpt = jddp.Checkpointer(os.path.join(out, "ckpt"), save_every=4, max_to_keep=2, config={"lr": 1e-2})
+ckpt = jddp.Checkpointer(
+    os.path.join(out, "ckpt"),
+    save_every=4,
+    max_to_keep=2,
+    config={"lr": 1e-2},
+    preemption_check_s=float(os.environ.get("PREEMPTION_CHECK_S", "1")),
+)
 state, loader = ckpt.restore_or_init(state, loader)
 step = int(state.step)
 if jax.process_index() == 0:
@@ -72,8 +84,13 @@ while step < steps:
         if attempt < len(kills) and step == kills[attempt] and jax.process_index() == killer:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == term_at and jax.process_index() == killer and attempt == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
-        ckpt.maybe_save(state, loader)
+            os.kill(os.getppid() if term_to == "launcher" else os.getpid(), signal.SIGTERM)
+            time.sleep(float(os.environ.get("TERM_PAUSE", "0")))
+        try:
+            ckpt.maybe_save(state, loader)
+        except SystemExit as stop:
+            print(f"PREEMPTED process {jax.process_index()} at step {step}, exit {stop.code}", flush=True)
+            raise
         if step == steps:
             break
 ckpt.save(state, loader)
