@@ -59,7 +59,7 @@ def _free_port() -> int:
 def _run_group(args: argparse.Namespace, tuned: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
-        cmd = [sys.executable, "-m", "jddp.launch", "-n", "2", "--devices-per-process", "1"]
+        cmd = [sys.executable, "-m", "jddp.launch", "--peer-timeout", "120", "-n", "2", "--devices-per-process", "1"]
         cmd += [] if tuned else ["--no-malloc-tuning"]
         cmd += ["-m", "benchmarks.allreduce", "--worker", out, str(_free_port()), str(_free_port())]
         cmd += [args.sizes, str(args.rounds), str(args.bytes_per_round)]

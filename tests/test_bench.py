@@ -33,6 +33,7 @@ def test_bench_figures_are_consistent(tmp_path, capsys):
         assert row["efficiency"] == pytest.approx(row["speedup"] / row["devices"])
         assert row["latency_p90_ms"] >= row["latency_median_ms"] > 0
         assert 0 <= row["allreduce_share"] < 1
+        assert row["allreduce_ms"] == pytest.approx(max(0.0, row["step_ms"] - row["local_ms"]))
         assert row["compile_s"] > 0
         assert f"{row['throughput']:.0f}" in table
     assert base["speedup"] == 1.0 and base["allreduce_ms"] == pytest.approx(0, abs=base["step_ms"])
@@ -60,6 +61,7 @@ def test_config_errors(kwargs, match):
 def test_configurations_skip_indivisible_pairs():
     config = bench.BenchConfig(devices=(1, 2, 4, 8), processes=(1, 2))
     assert config.configurations() == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]
+    assert bench.BenchConfig(devices=(1, 2), processes=(2,)).configurations() == [(1, 1), (2, 2)]
 
 
 def test_bad_device_list_is_a_usage_error(capsys):

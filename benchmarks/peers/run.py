@@ -64,7 +64,17 @@ def main(argv: list[str] | None = None) -> dict:
     for nprocs in (int(v) for v in args.processes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "peers.json")
-            cmd = [sys.executable, "-m", "jddp.launch", "-n", str(nprocs), "--devices-per-process", "1"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "jddp.launch",
+                "--peer-timeout",
+                "120",
+                "-n",
+                str(nprocs),
+                "--devices-per-process",
+                "1",
+            ]
             cmd += ["-m", "benchmarks.peers.run", "--worker", out, str(_free_port()), args.models]
             cmd += [str(args.global_batch_size), str(args.steps), str(args.rounds), str(args.torch_threads)]
             env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_") and k != "XLA_FLAGS"}
