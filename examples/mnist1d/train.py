@@ -1,33 +1,51 @@
-"""Trains an MLP on MNIST-1D with jddp on N (simulated) devices.
+"""Trains an MLP or a CNN on MNIST-1D with jddp on N (simulated) devices.
 
 MNIST-1D (Greydanus 2020) is generated locally by the ``mnist1d`` package:
 40-sample 1-D signals of the digits 0-9, 4000 for training and 1000 for test
 by default; nothing is downloaded.
 
-    python -m examples.mnist1d.train devices=8 epochs=30
-    jddp launch -n 2 --devices-per-process 4 -m examples.mnist1d.train epochs=30
+    python -m examples.mnist1d.train devices=8
+    python -m examples.mnist1d.train config=configs/mnist1d_cnn.yaml devices=8
+    jddp launch -n 2 --devices-per-process 4 -m examples.mnist1d.train
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import pathlib
 import sys
-import time
 
 import numpy as np
+
+from examples import common
+
+DEFAULT_CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "mnist1d_mlp.yaml"
+
+
+class Model(enum.Enum):
+    mlp = "mlp"  # 40 -> hidden -> hidden -> 10, ReLU
+    cnn = "cnn"  # three strided 1-D convolutions (length 40 -> 20 -> 10 -> 5) and a linear classifier
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     devices: int = 0  # simulated CPU devices per process (0: $JDDP_LOCAL_DEVICES under jddp launch, else JAX's)
+    model: Model = Model.mlp  # `mlp` or `cnn`
     epochs: int = 30  # passes over the training set
     global_batch_size: int = 128  # examples per step over all devices
     learning_rate: float = 3e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
-    hidden: int = 256  # width of the two hidden layers
+    hidden: int = 256  # MLP: width of the two hidden layers
+    channels: int = 32  # CNN: channels of each convolution
     num_samples: int = 5000  # MNIST-1D examples generated (80% train, 20% test)
     seed: int = 0  # seeds the data generation, the shuffling and the init
-    log_every: int = 5  # print metrics every this many epochs (and the last)
+    eval_every: int = 0  # steps between test evaluations (0: after every epoch); always at the end
+    log_every: int = 10  # steps between train-metric records
+    log_dir: str = "runs/mnist1d"  # metrics.jsonl, TensorBoard events, config.yaml, loss.png ("" for none)
+    checkpoint_dir: str = ""  # checkpoints, resumed from when present ("" for none)
+    save_every: int = 0  # steps between checkpoints (0: only at the end)
+    progress: bool = True  # progress bar on process 0
 
 
 def load_data(config: Config) -> dict[str, np.ndarray]:
@@ -43,7 +61,7 @@ def load_data(config: Config) -> dict[str, np.ndarray]:
 
 
 def make_model(config: Config):
-    """An NNX MLP as ``(graphdef, params, model_state)``."""
+    """The NNX model named by ``config.model`` as ``(graphdef, params, model_state)``."""
     from flax import nnx
 
     from jddp import models
@@ -57,46 +75,43 @@ def make_model(config: Config):
         def __call__(self, x):
             return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
 
-    return models.nnx_split(MLP(nnx.Rngs(config.seed)))
+    class CNN(nnx.Module):
+        """The MNIST-1D paper's CNN: signal length 40 -> 20 -> 10 -> 5, then a linear classifier."""
 
+        def __init__(self, rngs: nnx.Rngs):
+            c = config.channels
+            self.c1 = nnx.Conv(1, c, kernel_size=(5,), strides=(2,), padding=2, rngs=rngs)
+            self.c2 = nnx.Conv(c, c, kernel_size=(3,), strides=(2,), padding=1, rngs=rngs)
+            self.c3 = nnx.Conv(c, c, kernel_size=(3,), strides=(2,), padding=1, rngs=rngs)
+            self.out = nnx.Linear(5 * c, 10, rngs=rngs)
 
-def classification_metrics(logits, batch):
-    import jax.numpy as jnp
-    import optax
+        def __call__(self, x):
+            h = x[:, :, None]  # [batch, length, 1 channel]
+            h = nnx.relu(self.c3(nnx.relu(self.c2(nnx.relu(self.c1(h))))))
+            return self.out(h.reshape(h.shape[0], -1))
 
-    import jddp
-
-    mask = batch.get("mask")
-    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
-    accuracy = jddp.masked_mean((jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32), mask)
-    return loss, {"accuracy": accuracy}
+    model = {Model.mlp: MLP, Model.cnn: CNN}[config.model]
+    return models.nnx_split(model(nnx.Rngs(config.seed)))
 
 
 def main(config: Config) -> dict[str, float]:
-    """Trains and returns the final metrics (train loss, test loss and accuracy)."""
+    """Trains and returns the final metrics (steps, train loss, test loss and accuracy, timings)."""
     import jddp
 
     jddp.initialize(local_devices=config.devices or None)  # joins the group under `jddp launch`
-    import jax
     import optax
 
     from jddp import models
 
     data = load_data(config)
-    mesh = jddp.data_mesh()
     graphdef, params, model_state = make_model(config)
     dp = jddp.DataParallel(
-        models.nnx_loss(graphdef, lambda model, batch, rng: classification_metrics(model(batch["x"]), batch)),
+        models.nnx_loss(graphdef, lambda model, batch, rng: common.classification_metrics(model(batch["x"]), batch)),
         optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
-        mesh=mesh,
-        eval_fn=models.nnx_eval(graphdef, eval_metrics),
+        mesh=jddp.data_mesh(),
+        eval_fn=models.nnx_eval(graphdef, common.classification_eval),
     )
     state = dp.init(params, model_state, rng=config.seed)
-    if jddp.is_main_process():
-        print(f"jddp {jddp.__version__}: process {jddp.process_index()}/{jddp.process_count()}, "
-              f"{jax.device_count()} devices ({jax.local_device_count()} local), "
-              f"global batch {config.global_batch_size}")  # fmt: skip
-
     train_loader = jddp.data.DataLoader(
         {"x": data["x"], "y": data["y"]}, global_batch_size=config.global_batch_size, seed=config.seed
     )
@@ -106,33 +121,10 @@ def main(config: Config) -> dict[str, float]:
         shuffle=False,
         drop_last=False,  # every test example once; the padding is masked
     )
-    start, steps, result = time.perf_counter(), 0, {}
-    for epoch in range(config.epochs):
-        for batch in train_loader:
-            state, metrics = dp.step(state, batch)
-            steps += 1
-        if (epoch + 1) % config.log_every == 0 or epoch + 1 == config.epochs:
-            test = dp.evaluate(state, test_loader)
-            result = {"epoch": epoch + 1, "steps": steps, "train_loss": metrics["loss"],
-                      "test_loss": test["loss"], "test_accuracy": test["accuracy"],
-                      "seconds": time.perf_counter() - start}  # fmt: skip
-            if jddp.is_main_process():
-                print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
-    return result
-
-
-def eval_metrics(model, batch) -> dict:
-    loss, metrics = classification_metrics(model(batch["x"]), batch)
-    return {"loss": loss, **metrics}
-
-
-def parse(argv: list[str]) -> Config:
-    """``key=value`` overrides on the defaults, checked by OmegaConf (unknown keys and bad types raise)."""
-    from omegaconf import OmegaConf
-
-    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(argv))
-    return OmegaConf.to_object(merged)
+    return common.train(dp, state, train_loader, test_loader, config)
 
 
 if __name__ == "__main__":
-    main(parse(sys.argv[1:]))
+    from jddp import config as config_lib
+
+    main(config_lib.parse(Config, sys.argv[1:], path=DEFAULT_CONFIG))

@@ -1,0 +1,83 @@
+"""Pieces the examples share: classification metrics and the `jddp.fit` call.
+
+Imports of JAX happen inside the functions, after ``jddp.initialize`` ran in
+the example's ``main``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def classification_metrics(logits, batch) -> tuple[Any, dict]:
+    """Cross-entropy and accuracy, exact means over the batch's real examples.
+
+    Args:
+      logits: ``[batch, classes]``.
+      batch: a dict with integer labels ``y`` and an optional 0/1 ``mask``.
+
+    Returns:
+      ``(loss, {"accuracy": accuracy})``, both ``jddp.masked_mean`` scalars.
+    """
+    import jax.numpy as jnp
+    import optax
+
+    import jddp
+
+    mask = batch.get("mask")
+    logits = logits.astype(jnp.float32)
+    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+    accuracy = jddp.masked_mean((jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32), mask)
+    return loss, {"accuracy": accuracy}
+
+
+def classification_eval(model, batch) -> dict:
+    """``eval_fn`` body for ``jddp.models.nnx_eval``: loss and accuracy of ``model(batch["x"])``."""
+    loss, metrics = classification_metrics(model(batch["x"]), batch)
+    return {"loss": loss, **metrics}
+
+
+def train(dp, state, train_loader, test_loader, config, *, steps: int | None = None) -> dict[str, float]:
+    """Runs ``jddp.loop.fit`` with the example's config and returns its final metrics.
+
+    Args:
+      dp: the ``DataParallel``.
+      state: from ``dp.init``.
+      train_loader: global training batches.
+      test_loader: ``shuffle=False, drop_last=False``: every test example once.
+      config: the example's ``Config``; reads ``epochs`` (or ``steps``), ``eval_every``,
+        ``log_dir``, ``log_every``, ``checkpoint_dir``, ``save_every`` and ``progress``.
+      steps: train this many steps instead of ``config.epochs`` epochs.
+
+    Returns:
+      ``steps``, ``train_loss`` (the mean over the last logged window), the test
+      metrics prefixed ``test_`` and the loop's timings (``wall_s`` ...).
+    """
+    from jddp import checkpoint, loop
+
+    checkpointer = None
+    if config.checkpoint_dir:
+        checkpointer = checkpoint.Checkpointer(
+            config.checkpoint_dir, save_every=config.save_every or None, config=config
+        )
+    length = {"steps": steps} if steps is not None else {"epochs": config.epochs}
+    result = loop.fit(
+        dp,
+        state,
+        train_loader,
+        **length,
+        eval_loader=test_loader,
+        eval_every=config.eval_every or None,
+        checkpointer=checkpointer,
+        log_dir=config.log_dir or None,
+        log_every=config.log_every,
+        config=config,
+        progress=config.progress,
+    )
+    train_records = [r for r in result.history if r.get("split") == "train"]
+    out = {"steps": int(result.summary["steps"])}
+    if train_records:
+        out["train_loss"] = float(train_records[-1]["loss"])
+    out.update({f"test_{k}": float(v) for k, v in result.final_eval.items() if k != "examples"})
+    out.update({k: float(v) for k, v in result.summary.items() if k != "steps"})
+    return out
