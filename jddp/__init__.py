@@ -33,8 +33,10 @@ _EXPORTS = {
     "TrainState": "jddp.engine.state",
     "Checkpointer": "jddp.checkpoint",
     "CheckpointWarning": "jddp.checkpoint",
+    "fit": "jddp.loop",
+    "FitResult": "jddp.loop",
 }
-_SUBMODULES = ("data", "models")
+_SUBMODULES = ("config", "data", "models")
 
 __all__ = [
     "DATA_AXIS",
@@ -44,6 +46,7 @@ __all__ = [
     "Checkpointer",
     "CommReport",
     "DataParallel",
+    "FitResult",
     "NonFiniteError",
     "ProcessGroup",
     "TrainState",
@@ -51,8 +54,10 @@ __all__ = [
     "__version__",
     "barrier",
     "batch_sharding",
+    "config",
     "data",
     "data_mesh",
+    "fit",
     "initialize",
     "is_main_process",
     "masked_mean",
