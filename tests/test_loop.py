@@ -100,6 +100,22 @@ def test_logged_metrics_are_the_step_and_evaluate_metrics(tmp_path, capsys):
     assert s["wall_s"] >= sum(s[k] for k in ("compile_s", "step_s", "data_wait_s", "eval_s"))
 
 
+def test_metrics_are_read_only_at_log_points():
+    """Reading a step's metrics waits for the devices; fit does it every `log_every` steps, never per step."""
+    dp, state, train, _ = make(2)
+    returned = []
+    step = dp.step
+
+    def recording_step(state, batch):
+        state, metrics = step(state, batch)
+        returned.append(metrics)
+        return state, metrics
+
+    dp.step = recording_step
+    fit(dp, state, train, steps=12, log_every=5, progress=False)
+    assert [i + 1 for i, m in enumerate(returned) if m._host is not None] == [5, 10, 12]
+
+
 def test_epochs_evaluate_at_each_epoch_end_once(tmp_path):
     dp, state, train, test = make(2)
     result = fit(dp, state, train, epochs=2, eval_loader=test, log_every=4, progress=False)
