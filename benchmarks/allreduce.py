@@ -63,7 +63,7 @@ def _run_group(args: argparse.Namespace, tuned: bool) -> dict:
         cmd += [] if tuned else ["--no-malloc-tuning"]
         cmd += ["-m", "benchmarks.allreduce", "--worker", out, str(_free_port()), str(_free_port())]
         cmd += [args.sizes, str(args.rounds), str(args.bytes_per_round)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_") and k not in ("XLA_FLAGS",)}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_")}  # XLA_FLAGS pass through
         env.pop("GLIBC_TUNABLES", None)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:

@@ -5,7 +5,9 @@ through ``jddp launch`` (one CPU device per process). Every process joins
 JAX's group (``jddp.initialize``: ``jax.distributed`` with gloo) and PyTorch's
 (``torch.distributed`` with gloo), then, for each model, trains
 
-* ``jddp``: ``DataParallel.step`` with default options;
+* ``jddp``: ``DataParallel.step`` with default options (on CPU one fused all-reduce buffer);
+* ``jddp per-leaf``: the same with ``fuse_allreduce=False`` (one buffer per
+  leaf: jddp before the fused all-reduce);
 * ``jax``: a hand-written ``jit(shard_map)`` step (varying params, value_and_grad, one ``pmean``, optax);
 * ``torch``: ``DistributedDataParallel`` on the same initial weights, ``AdamW``;
 
@@ -13,8 +15,8 @@ from the same parameters on the same global batches (each process its slice),
 AdamW with lr 1e-3 and weight decay 1e-4 in all three. First the losses of
 the first steps are compared (the same math must give the same loss), then
 ``--rounds`` timed runs of ``--steps`` steps per variant alternate in order.
-Prints median ms per step, the p10-p90 range and the step-time ratios
-jddp / jax and jddp / torch (below 1: jddp is faster).
+Prints median ms per step, the p10-p90 range and each variant's step-time
+ratio to ``jax`` and to ``torch`` (below 1: faster).
 
     python -m benchmarks.peers --processes 1,2 --models mlp,cnn --rounds 9
 
@@ -37,7 +39,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("jddp", "jax", "torch")
+VARIANTS = ("jddp", "jddp per-leaf", "jax", "torch")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
             ]
             cmd += ["-m", "benchmarks.peers.run", "--worker", out, str(_free_port()), args.models]
             cmd += [str(args.global_batch_size), str(args.steps), str(args.rounds), str(args.torch_threads)]
-            env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_") and k != "XLA_FLAGS"}
+            env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_")}  # XLA_FLAGS pass through
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if proc.returncode != 0:
                 raise RuntimeError(f"{nprocs} processes failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -86,10 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
                     results[f"{model} x{nprocs}"] = figures
     print(f"global batch {args.global_batch_size}, {args.rounds} rounds x {args.steps} steps, interleaved; one CPU "
           f"device per process, torch threads {args.torch_threads}; ms per step: median [p10, p90]")  # fmt: skip
-    print(f"{'model x procs':<14}" + "".join(f"{v:>22}" for v in VARIANTS) + f"{'jddp/jax':>10}{'jddp/torch':>11}")
+    print(f"{'model x procs':<14}{'variant':<15}{'median':>8}{'p10':>8}{'p90':>8}{'/ jax':>8}{'/ torch':>8}")
     for name, r in results.items():
-        cells = "".join(f"{r[v]['median']:>8.3f} [{r[v]['p10']:6.2f},{r[v]['p90']:6.2f}]" for v in VARIANTS)
-        print(f"{name:<14}{cells}{r['jddp/jax']:>10.3f}{r['jddp/torch']:>11.3f}   loss diff {r['loss_diff']:.1e}")
+        for v in VARIANTS:
+            med, jax_med, torch_med = r[v]["median"], r["jax"]["median"], r["torch"]["median"]
+            print(f"{name:<14}{v:<15}{med:>8.3f}{r[v]['p10']:>8.2f}{r[v]['p90']:>8.2f}"
+                  f"{med / jax_med:>8.3f}{med / torch_med:>8.3f}")  # fmt: skip
+        print(f"{'':<14}first losses agree to {r['loss_diff']:.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -115,11 +120,10 @@ def _setup_jax(model: str, params: dict, batches: list[dict]):
     def mean_loss(p, batch):
         return optax.softmax_cross_entropy_with_integer_labels(bench.forward(model, p, batch["x"]), batch["y"]).mean()
 
-    dp = jddp.DataParallel(lambda p, s, b, r: (mean_loss(p, b), (s, {})), optimizer, mesh=jddp.data_mesh())
-
-    def jddp_step(state, batch):
-        state, metrics = dp.step(state, batch)
-        return state, metrics
+    loss_fn = lambda p, s, b, r: (mean_loss(p, b), (s, {}))
+    dp = jddp.DataParallel(loss_fn, optimizer, mesh=jddp.data_mesh())
+    # jddp before its fused all-reduce: one all-reduce buffer per leaf.
+    per_leaf = jddp.DataParallel(loss_fn, optimizer, mesh=jddp.data_mesh(), fuse_allreduce=False)
 
     # Hand-written, as a careful JAX user writes it: own mesh, one pmean.
     mesh = Mesh(jax.devices(), ("batch",))
@@ -141,7 +145,11 @@ def _setup_jax(model: str, params: dict, batches: list[dict]):
         p, o, loss = hand(*carry, batch)
         return (p, o), loss
 
-    return {"jddp": (jddp_step, dp.init(params)), "jax": (hand_step, hand_carry)}
+    return {
+        "jddp": (dp.step, dp.init(params)),
+        "jddp per-leaf": (per_leaf.step, per_leaf.init(params)),
+        "jax": (hand_step, hand_carry),
+    }
 
 
 def _setup_torch(model: str, params: dict):
@@ -201,7 +209,7 @@ def _bench_model(model: str, data: dict, steps: int, rounds: int) -> dict:
             first[name] = (t / dist.get_world_size()).numpy()
         else:
             first[name] = np.array([float(x if name == "jax" else x["loss"]) for x in losses])
-    loss_diff = max(float(np.max(np.abs(first[v] - first["torch"]))) for v in ("jddp", "jax"))
+    loss_diff = max(float(np.max(np.abs(first[v] - first["torch"]))) for v in VARIANTS)
     if loss_diff > 1e-3:
         raise AssertionError(f"{model}: the three variants disagree on the first losses: {first}")
     for name in VARIANTS:  # warm-up
@@ -214,6 +222,7 @@ def _bench_model(model: str, data: dict, steps: int, rounds: int) -> dict:
                    "p90": float(np.percentile(t, 90)), "runs": t} for v, t in times.items()}  # fmt: skip
     figures["jddp/jax"] = figures["jddp"]["median"] / figures["jax"]["median"]
     figures["jddp/torch"] = figures["jddp"]["median"] / figures["torch"]["median"]
+    figures["per-leaf/torch"] = figures["jddp per-leaf"]["median"] / figures["torch"]["median"]
     figures["loss_diff"] = loss_diff
     return figures
 
@@ -241,7 +250,7 @@ def _worker(out: str, port: str, models: str, global_batch: str, steps: str, rou
                  for b in local],
         "torch": [{"x": torch.from_numpy(b["x"]), "y": torch.from_numpy(b["y"]).long()} for b in local],
     }  # fmt: skip
-    data["jax"] = data["jddp"]
+    data["jax"] = data["jddp per-leaf"] = data["jddp"]
     results = {model: _bench_model(model, data, steps, rounds) for model in models.split(",")}
     dist.destroy_process_group()
     if rank == 0:
