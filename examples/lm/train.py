@@ -39,7 +39,8 @@ class Config:
     weight_decay: float = 0.01  # AdamW weight decay
     clip_grad_norm: float = 1.0  # global norm of the averaged gradient
     compute_dtype: str = "bfloat16"  # dtype of the forward pass (`float32` to compare); parameters stay float32
-    test_modulus: int = 10  # a module file is held out when crc32(name) % test_modulus == 0
+    corpus_dir: str = ""  # a directory of .py files to train on ("": this Python's standard library)
+    test_modulus: int = 10  # a file is held out when crc32(name) % test_modulus == 0
     eval_batch_size: int = 256  # windows per evaluation step
     seed: int = 0  # seeds the shuffling and the init
     eval_every: int = 0  # steps between test evaluations (0: at each epoch's end); always at the end
@@ -53,6 +54,11 @@ class Config:
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise ValueError(
                 f"`compute_dtype` must be 'bfloat16' or 'float32', got compute_dtype={self.compute_dtype!r}."
+            )
+        if self.corpus_dir and not pathlib.Path(self.corpus_dir).is_dir():
+            raise ValueError(
+                f"`corpus_dir` must be a directory of .py files, got corpus_dir={self.corpus_dir!r}, which is not "
+                "a directory; give an existing one, or '' for the standard library."
             )
         if self.d_model % self.heads:
             raise ValueError(
@@ -122,7 +128,8 @@ def main(config: Config) -> dict[str, float]:
 
     from jddp import models
 
-    corpus = data_lib.load(config.seq_len, test_modulus=config.test_modulus)
+    root = pathlib.Path(config.corpus_dir) if config.corpus_dir else None
+    corpus = data_lib.load(config.seq_len, test_modulus=config.test_modulus, root=root)
     graphdef, params, model_state = make_model(config)
 
     def eval_metrics(model, batch):
