@@ -3,11 +3,17 @@
 1. ``jddp.data.DataLoader`` on a NumPy source of 200k x 40 float32 (+ int32
    labels), global batch 256, shuffled, with 0, 1 and 2 Grain worker
    processes: examples/s of whole global batches handed out (reads, gather,
-   global array assembly).
-2. The MNIST-1D MLP training step on the same device setup: examples/s it
-   consumes with pre-staged batches (already on the devices).
+   transfer to the devices), and the main process's CPU time per batch.
+2. The MNIST-1D MLP training step (40-256-256-10, AdamW) on the same devices:
+   examples/s it consumes with pre-staged batches (already on the devices).
 3. The training loop fed by the loader against the same loop over pre-staged
-   batches, interleaved round by round: the slowdown.
+   batches, in many short interleaved rounds (every order of the variants in
+   turn). Each round gives a ratio to the pre-staged round next to it; the
+   slowdown is the median ratio with a bootstrap 95% interval. A second set of
+   pre-staged batches runs as a control ("A/A"): its figure is the noise floor.
+   Wall time is the target; process CPU time per step is printed too, because on
+   a shared machine it moves much less with other processes' load, and with the
+   devices saturating the cores, extra CPU is what turns into slowdown.
 
     python -m benchmarks.loader_throughput --devices 8
 """
@@ -24,11 +30,21 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--examples", type=int, default=200_000, help="source size")
     p.add_argument("--global-batch-size", type=int, default=256, help="examples per global batch")
-    p.add_argument("--batches", type=int, default=300, help="batches timed per loader measurement")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds for the loop comparison")
-    p.add_argument("--steps", type=int, default=40, help="steps per round")
+    p.add_argument("--batches", type=int, default=400, help="batches timed per loader measurement")
+    p.add_argument("--repeats", type=int, default=3, help="loader measurements per worker count (median)")
+    p.add_argument("--rounds", type=int, default=120, help="interleaved rounds for the loop comparison")
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.add_argument("--prefetch", type=int, default=2, help="loader prefetch (0: read in the training thread)")
     return p
+
+
+def median_ci(ratios, rng, resamples: int = 2000) -> tuple[float, float, float]:
+    """Median of ``ratios`` - 1 and its bootstrap 95% interval."""
+    import numpy as np
+
+    r = np.asarray(ratios) - 1
+    boot = np.median(rng.choice(r, size=(resamples, len(r))), axis=1)
+    return float(np.median(r)), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -37,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     jddp.simulate_cpu_devices(args.devices)
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -49,70 +66,100 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     bs = args.global_batch_size
 
-    def loader_rate(workers: int) -> float:
+    def loader_rate(workers: int) -> tuple[float, float]:
         loader = jddp.data.DataLoader(
             source, global_batch_size=bs, seed=1, worker_count=workers, prefetch=args.prefetch
         )
         it = iter(loader)
-        for _ in range(5):  # start the workers, fill the buffers
+        for _ in range(20):  # start the workers, fill the buffers
             jax.block_until_ready(next(it))
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         for batch in itertools.islice(it, args.batches):
             jax.block_until_ready(batch)
         rate = args.batches * bs / (time.perf_counter() - t)
+        cpu_per_batch = (time.process_time() - cpu) / args.batches
         it.close()
-        return rate
+        return rate, cpu_per_batch
 
-    rates = {w: loader_rate(w) for w in (0, 1, 2)}
+    rates, cpus = {}, {}
+    for w in (0, 1, 2):
+        runs = [loader_rate(w) for _ in range(args.repeats)]
+        rates[w], cpus[w] = (float(np.median([r[i] for r in runs])) for i in (0, 1))
 
-    config = mnist1d.Config(devices=0, global_batch_size=bs)
-    graphdef, params, model_state = mnist1d.make_model(config)
-    loss_fn = jddp.models.nnx_loss(graphdef, lambda m, b, r: mnist1d.classification_metrics(m(b["x"]), b))
-    dp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=jddp.data_mesh())
+    def loss(model, batch, rng):
+        logits = model(batch["x"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        accuracy = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+        return jddp.masked_mean(ce, batch["mask"]), {"accuracy": jddp.masked_mean(accuracy, batch["mask"])}
+
+    graphdef, params, model_state = mnist1d.make_model(mnist1d.Config(hidden=256))
+    dp = jddp.DataParallel(jddp.models.nnx_loss(graphdef, loss), optax.adamw(1e-3), mesh=jddp.data_mesh())
     state = dp.init(params, model_state)
     loader = jddp.data.DataLoader(source, global_batch_size=bs, seed=1, prefetch=args.prefetch)
-    staged = [loader.to_global(b) for b in itertools.islice(loader.local_batches(), args.steps)]
+    host = list(itertools.islice(loader.local_batches(), 2 * args.steps))
+    staged = [loader.to_global(b) for b in host[: args.steps]]
+    staged_again = [loader.to_global(b) for b in host[args.steps :]]
     batches = iter(loader)
 
-    def run_staged():
-        nonlocal state
-        for b in staged:
-            state, m = dp.step(state, b)
-        jax.block_until_ready(m)
+    def pre_staged(batch_list):
+        def run():
+            s = state
+            for b in batch_list:
+                s, m = dp.step(s, b)
+            jax.block_until_ready(m)
+            return s
 
-    def run_loader():
-        nonlocal state, batches
+        return run
+
+    def from_loader():
+        nonlocal batches
+        s = state
         for _ in range(args.steps):
             b = next(batches, None)
-            if b is None:
+            if b is None:  # next epoch
                 batches = iter(loader)
                 b = next(batches)
-            state, m = dp.step(state, b)
+            s, m = dp.step(s, b)
         jax.block_until_ready(m)
+        return s
 
-    for run in (run_staged, run_loader):
-        run()
-    times: dict[str, list[float]] = {"pre-staged": [], "loader": []}
+    variants = {"pre-staged": pre_staged(staged), "A/A control": pre_staged(staged_again), "loader": from_loader}
+    for run in variants.values():
+        state = run()
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    orders = list(itertools.permutations(variants))
     for r in range(args.rounds):
-        order = [("pre-staged", run_staged), ("loader", run_loader)]
-        for name, run in order if r % 2 == 0 else order[::-1]:
-            t = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - t) / args.steps)
-    med = {k: float(np.median(v)) for k, v in times.items()}
+        for name in orders[r % len(orders)]:
+            t, c = time.perf_counter(), time.process_time()
+            state = variants[name]()
+            wall[name].append((time.perf_counter() - t) / args.steps)
+            cpu[name].append((time.process_time() - c) / args.steps)
+    med = {k: float(np.median(v)) for k, v in wall.items()}
     consumed = bs / med["pre-staged"]
+    boot = np.random.default_rng(0)
+    slow = {k: median_ci(np.divide(wall[k], wall["pre-staged"]), boot) for k in ("loader", "A/A control")}
+    slow_cpu = {k: median_ci(np.divide(cpu[k], cpu["pre-staged"]), boot) for k in ("loader", "A/A control")}
 
     print(f"source {args.examples} x 40 float32, global batch {bs}, {args.devices} simulated devices, 2-core CPU")
     for w, rate in rates.items():
-        print(f"loader, {w} workers: {rate:>10,.0f} examples/s  ({rate / consumed:.1f}x what the step consumes)")
+        print(f"loader, {w} workers: {rate:>10,.0f} examples/s ({rate / consumed:5.1f}x what the step consumes), "
+              f"main process CPU {cpus[w] * 1e6:4.0f} us/batch")  # fmt: skip
     print(f"MNIST-1D MLP step consumes: {consumed:>10,.0f} examples/s (pre-staged batches, median)")
-    slowdown = med["loader"] / med["pre-staged"] - 1
-    print(f"loop per step: pre-staged {med['pre-staged'] * 1e3:.3f} ms, loader {med['loader'] * 1e3:.3f} ms, "
-          f"slowdown {slowdown:+.1%} (medians of {args.rounds} interleaved rounds)")  # fmt: skip
+    print(f"loop, {args.rounds} interleaved rounds x {args.steps} steps; ms per step: median [p25, p75], CPU")
+    for k, v in wall.items():
+        p25, p75 = np.percentile(v, [25, 75]) * 1e3
+        print(f"  {k:12s} {med[k] * 1e3:6.3f} [{p25:6.3f}, {p75:6.3f}]   CPU {np.median(cpu[k]) * 1e3:6.3f}")
+    for label, figures in (("wall", slow), ("CPU ", slow_cpu)):
+        print(f"{label} per step vs pre-staged, median ratio [95% CI]: "
+              + ", ".join(f"{k} {m:+.1%} [{lo:+.1%}, {hi:+.1%}]" for k, (m, lo, hi) in figures.items()))  # fmt: skip
     print("targets: loader >= 10x the step's consumption; slowdown <= 5%")
     return {
         "consumed": consumed,
-        "slowdown": med["loader"] / med["pre-staged"] - 1,
+        "slowdown": slow["loader"][0],
+        "slowdown_ci": slow["loader"][1:],
+        "control": slow["A/A control"][0],
+        "cpu_slowdown": slow_cpu["loader"][0],
         **{f"workers{w}": r for w, r in rates.items()},
     }
 

@@ -22,6 +22,10 @@ Transform = Callable[[Example, np.random.Generator], Example]
 # per-element cost (and, with workers, one IPC transfer), bounded in bytes.
 _READ_BYTES = 1 << 20
 _MAX_BATCHES_PER_READ = 16
+# Grain workers hand back arrays below this size pickled through their queue,
+# larger ones in a fresh shared-memory segment each (Grain's default is 0: all
+# through shared memory). A block of at most ~_READ_BYTES costs less pickled.
+_MIN_SHM_BYTES = 2 * _READ_BYTES
 
 
 class _ReadBatch:
@@ -253,6 +257,8 @@ class DataLoader:
         ahead = -(-self.prefetch // per_read)  # in blocks, rounded up
         if self.worker_count:
             _absl_flags_parsed()
+            shm = grain.experimental.DatasetOptions(min_shm_size=_MIN_SHM_BYTES)
+            it = grain.experimental.WithOptionsIterDataset(it, shm)
             options = grain.MultiprocessingOptions(self.worker_count, per_worker_buffer_size=max(ahead, 1))
             it = it.mp_prefetch(options)
         elif ahead:
