@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 out=${1:-runs/benchmarks}
 mkdir -p "$out"
 if [[ "${2:-}" == "--quick" ]]; then  # a smoke run of every script, in about 3 minutes
-  bench=(--steps 5 --rounds 2 --warmup 1) peers=(--steps 5 --rounds 2) allreduce=(--rounds 2 --bytes-per-round 8388608)
+  bench=(--steps 5 --rounds 2 --warmup 1 --repeats 1) peers=(--steps 5 --rounds 2) allreduce=(--rounds 2 --bytes-per-round 8388608)
   overhead=(--rounds 3 --steps 5)
 else
   bench=() peers=() allreduce=() overhead=()
@@ -21,7 +21,7 @@ python -c "import torch" 2>/dev/null || { echo "PyTorch is missing: pip install 
   echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee "$out/machine.txt"
 for model in mlp cnn; do
-  jddp bench --model "$model" --devices 1,2,4,8 --processes 1,2 --output "$out/bench_$model" "${bench[@]}" \
+  jddp bench --model "$model" --devices 1,2,4,8 --processes 1,2 --repeats 2 --output "$out/bench_$model" "${bench[@]}" \
     | tee "$out/bench_$model.txt"
 done
 python -m benchmarks.peers --processes 1,2 --models mlp,cnn --json "$out/peers.json" "${peers[@]}" | tee "$out/peers.txt"

@@ -50,8 +50,9 @@ def test_bench_figures_are_consistent(tmp_path, capsys):
         ({"devices": (1,), "processes": (2,)}, r"No process count in processes=\(2,\) divides"),
         ({"steps": 0}, r"`steps` must be at least 1, got steps=0"),
         ({"warmup": -1}, r"`warmup` must be at least 0"),
+        ({"repeats": 0}, r"`repeats` must be at least 1, got repeats=0"),
     ],
-    ids=["model", "no-baseline", "zero-devices", "no-processes", "indivisible", "steps", "warmup"],
+    ids=["model", "no-baseline", "zero-devices", "no-processes", "indivisible", "steps", "warmup", "repeats"],
 )
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -62,6 +63,18 @@ def test_configurations_skip_indivisible_pairs():
     config = bench.BenchConfig(devices=(1, 2, 4, 8), processes=(1, 2))
     assert config.configurations() == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]
     assert bench.BenchConfig(devices=(1, 2), processes=(2,)).configurations() == [(1, 1), (2, 2)]
+
+
+def test_repeats_pool_timings():
+    def result(ms, compile_s):
+        timings = {"jddp_ms": [ms], "hand_ms": [ms], "local_ms": [ms], "latency_ms": [ms, ms]}
+        return {"processes": 1, "devices": 1, "global_batch": 64, "grad_bytes": 4, **timings,
+                "compile_s": compile_s, "hand_compile_s": compile_s}  # fmt: skip
+
+    merged = bench._merge([result(1.0, 3.0), result(2.0, 5.0), result(4.0, 4.0)])
+    assert merged["jddp_ms"] == [1.0, 2.0, 4.0] and merged["latency_ms"] == [1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert merged["compile_s"] == 4.0 and merged["global_batch"] == 64
+    assert bench.summarize([merged])[0]["step_ms"] == 2.0
 
 
 def test_bad_device_list_is_a_usage_error(capsys):

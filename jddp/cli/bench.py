@@ -7,8 +7,10 @@ Usage::
 Every configuration (``P`` processes holding ``D`` devices in all, ``D / P``
 simulated CPU devices each) runs in fresh processes started through
 ``jddp launch``, because the device count is fixed when the JAX backend starts.
-Only configurations where ``P`` divides ``D`` run. Each trains a model shaped
-for MNIST-1D (40 features, 10 classes; synthetic data) with AdamW for
+Only configurations where ``P`` divides ``D`` run; ``--repeats R`` runs each
+``R`` times, the configurations in alternating order, and pools the timings
+(so that a slow phase of a shared machine hits every configuration). Each
+trains a model shaped for MNIST-1D (40 features, 10 classes; synthetic data) with AdamW for
 ``--batch-per-device`` examples per device (weak scaling, as DDP is used) and
 times three programs on the same pre-placed global batches, interleaved round
 by round in alternating order after ``--warmup`` steps:
@@ -60,6 +62,7 @@ class BenchConfig:
     steps: int = 20  # steps per timed run
     warmup: int = 5  # untimed steps of each program first
     rounds: int = 5  # interleaved timed runs of each program
+    repeats: int = 1  # fresh runs of every configuration, in alternating order; timings pooled
     output: str = "bench"  # writes <output>.json and <output>.png
     timeout_s: float = 600.0  # per configuration
 
@@ -72,7 +75,7 @@ class BenchConfig:
                 raise ValueError(f"`{name}` must be positive ints, got {name}={values!r}; e.g. --{name} 1,2.")
         if 1 not in self.devices:
             raise ValueError(f"`devices` must include 1, the baseline of speedup, got devices={self.devices!r}.")
-        for name in ("batch_per_device", "steps", "rounds"):
+        for name in ("batch_per_device", "steps", "rounds", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be at least 1, got {name}={getattr(self, name)!r}.")
         if self.warmup < 0:
@@ -105,6 +108,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=d.steps, help="steps per timed run (default 20)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (default 5)")
     p.add_argument("--rounds", type=int, default=d.rounds, help="interleaved timed runs (default 5)")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="runs of each configuration, alternating (1)")
     p.add_argument("--output", default=d.output, help="path prefix of the JSON and PNG (default ./bench)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per configuration (default 600)")
     return p
@@ -403,12 +407,26 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _merge(results: list[dict]) -> dict:
+    """One configuration's repeats as one: timings pooled, compile times by their median."""
+    merged = dict(results[0])
+    for key in ("jddp_ms", "hand_ms", "local_ms", "latency_ms"):
+        merged[key] = [v for r in results for v in r[key]]
+    for key in ("compile_s", "hand_compile_s"):
+        merged[key] = statistics.median(r[key] for r in results)
+    return merged
+
+
 def run(config: BenchConfig) -> dict:
     """Runs every configuration, prints the table, writes ``<output>.json`` and ``<output>.png``."""
-    raw = []
-    for processes, devices in config.configurations():
-        print(f"jddp bench: {config.model}, {processes} process(es), {devices} device(s) ...", flush=True)
-        raw.append(_run_configuration(config, processes, devices))
+    configs = config.configurations()
+    runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
+    for repeat in range(config.repeats):  # configurations alternate, so slow phases of the machine hit all alike
+        for processes, devices in configs if repeat % 2 == 0 else configs[::-1]:
+            print(f"jddp bench: {config.model}, {processes} process(es), {devices} device(s), repeat {repeat + 1} "
+                  f"of {config.repeats} ...", flush=True)  # fmt: skip
+            runs[processes, devices].append(_run_configuration(config, processes, devices))
+    raw = [_merge(runs[c]) for c in configs]
     report = {"config": dataclasses.asdict(config), "raw": raw, "rows": summarize(raw)}
     print(format_table(report["rows"]))
     os.makedirs(os.path.dirname(os.path.abspath(config.output)), exist_ok=True)
