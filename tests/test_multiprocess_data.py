@@ -17,6 +17,7 @@ def test_two_processes_read_disjoint_slices_and_assemble_the_same_batches():
     assert sorted(r["process"] for r in results) == [0, 1]
     reads = [r["reads"] for r in sorted(results, key=lambda r: r["process"])]
     assert all(r["batches"] == 5 for r in results)  # ceil(70 / 16)
+    assert all(r["direct"] for r in results)  # each process put its rows through the direct transfer
     # 5 batches x 8 rows per process. The last global batch has 6 real rows, all
     # in process 0's slice; its padding (2 rows there, 8 on process 1) re-reads valid rows.
     assert len(reads[0]) == len(reads[1]) == 40

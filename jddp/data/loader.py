@@ -1,4 +1,16 @@
-"""A Grain-based loader that reads only this process's slice of each global batch."""
+"""A Grain-based loader that reads only this process's slice of each global batch.
+
+Where the host CPU goes, per batch (200k x 40 float32 source, global batch
+256, 8 simulated devices; ``benchmarks/loader_throughput.py``): a dict of
+arrays is read in blocks of up to 16 batches per Grain element. For a block,
+the sampler computes every slice in one NumPy expression and ``np.take``
+gathers each array straight into its aligned field of one packed
+``uint8[batches, rows, row_bytes]`` buffer; each batch then goes to the devices
+in one direct ``batched_device_put``. That is about 60 µs of CPU per batch,
+where reading batch by batch (Grain element, sampler slice, fancy index, pack,
+``jax.device_put``) took about 280 µs. On simulated devices the training step
+runs on the same cores, so every microsecond here is a microsecond of step.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +31,8 @@ Transform = Callable[[Example, np.random.Generator], Example]
 
 
 # Batches per Grain element on the fast path: enough to amortise Grain's
-# per-element cost (and, with workers, one IPC transfer), bounded in bytes.
+# per-element cost (and, with workers, one IPC transfer), bounded in bytes;
+# other sources and transforms read one batch per element.
 _READ_BYTES = 1 << 20
 _MAX_BATCHES_PER_READ = 16
 # Grain workers hand back arrays below this size pickled through their queue,
@@ -166,7 +179,9 @@ class DataLoader:
         process's slice; ``rng`` is seeded by (seed, position, process).
       worker_count: Grain worker processes (0 reads in this process; workers
         need the ``if __name__ == "__main__":`` guard).
-      prefetch: batches read ahead (per worker with workers).
+      prefetch: batches read ahead, by a thread (0 workers) or per worker,
+        rounded up to whole blocks (a dict of arrays is read up to 16 batches at
+        a time); 0 reads in the training thread when the next block is due.
 
     Raises:
       ValueError: for an empty source or a batch the devices cannot split.

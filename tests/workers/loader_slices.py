@@ -23,5 +23,12 @@ for position, batch in enumerate(loader):
     ref = reference.local_batch(position)
     np.testing.assert_array_equal(rows, src.data["x"][ref.indices])
     np.testing.assert_array_equal(mask, ref.mask)
-print("RESULT " + json.dumps({"process": jax.process_index(), "reads": src.reads, "batches": position + 1}))
+# The array fast path (blocks gathered by NumPy, direct transfer) assembles the same global batches.
+arrays = jddp.data.DataLoader(src.data, global_batch_size=16, seed=7, drop_last=False)
+for position, batch in enumerate(arrays):
+    rows = multihost_utils.process_allgather(batch["y"], tiled=True)
+    np.testing.assert_array_equal(rows, src.data["y"][reference.local_batch(position).indices])
+direct = arrays._transfer._plan(batch.data.shape[1]) is not None
+result = {"process": jax.process_index(), "reads": src.reads, "batches": position + 1, "direct": direct}
+print("RESULT " + json.dumps(result))
 sys.stdout.flush()
