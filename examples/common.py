@@ -50,7 +50,7 @@ def train(dp, state, train_loader, test_loader, config, *, steps: int | None = N
       steps: train this many steps instead of ``config.epochs`` epochs.
 
     Returns:
-      ``steps``, ``train_loss`` (the mean over the last logged window), the test
+      ``steps``, ``train_loss`` (the loss of the last step's global batch), the test
       metrics prefixed ``test_`` and the loop's timings (``wall_s`` ...).
     """
     from jddp import checkpoint, loop
@@ -75,9 +75,17 @@ def train(dp, state, train_loader, test_loader, config, *, steps: int | None = N
         progress=config.progress,
     )
     train_records = [r for r in result.history if r.get("split") == "train"]
-    out = {"steps": int(result.summary["steps"])}
+    out = {"steps": int(result.summary["final_step"])}  # counted from step 0, also after a resume
     if train_records:
         out["train_loss"] = float(train_records[-1]["loss"])
     out.update({f"test_{k}": float(v) for k, v in result.final_eval.items() if k != "examples"})
-    out.update({k: float(v) for k, v in result.summary.items() if k != "steps"})
+    out.update({k: float(v) for k, v in result.summary.items() if k not in ("steps", "final_step")})
     return out
+
+
+def report(result: dict[str, float]) -> None:
+    """Prints the final metrics on one line, on process 0 only."""
+    import jddp
+
+    if jddp.is_main_process():
+        print("result: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))

@@ -152,12 +152,8 @@ def main(config: Config) -> dict[str, float]:
     result = common.train(dp, state, train_loader, test_loader, config, steps=config.steps)
     result["test_perplexity"] = math.exp(result["test_loss"])
     result["test_bits_per_byte"] = result["test_loss"] / math.log(2)
-    if jddp.is_main_process():
-        print(
-            f"test: {int(corpus['test']['weights'].sum())} held-out bytes, perplexity "
-            f"{result['test_perplexity']:.3f}, {result['test_bits_per_byte']:.3f} bits/byte",
-            flush=True,
-        )
+    result["test_bytes"] = int(corpus["test"]["weights"].sum())
+    common.report(result)
     return result
 
 

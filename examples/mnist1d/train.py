@@ -34,7 +34,7 @@ class Config:
     model: Model = Model.mlp  # `mlp` or `cnn`
     epochs: int = 30  # passes over the training set
     global_batch_size: int = 128  # examples per step over all devices
-    learning_rate: float = 3e-3  # AdamW learning rate
+    learning_rate: float = 3e-3  # AdamW learning rate at step 0, cosine decay to 0 at the last step
     weight_decay: float = 1e-4  # AdamW weight decay
     hidden: int = 256  # MLP: width of the two hidden layers
     channels: int = 32  # CNN: channels of each convolution
@@ -105,13 +105,6 @@ def main(config: Config) -> dict[str, float]:
 
     data = load_data(config)
     graphdef, params, model_state = make_model(config)
-    dp = jddp.DataParallel(
-        models.nnx_loss(graphdef, lambda model, batch, rng: common.classification_metrics(model(batch["x"]), batch)),
-        optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
-        mesh=jddp.data_mesh(),
-        eval_fn=models.nnx_eval(graphdef, common.classification_eval),
-    )
-    state = dp.init(params, model_state, rng=config.seed)
     train_loader = jddp.data.DataLoader(
         {"x": data["x"], "y": data["y"]}, global_batch_size=config.global_batch_size, seed=config.seed
     )
@@ -121,7 +114,17 @@ def main(config: Config) -> dict[str, float]:
         shuffle=False,
         drop_last=False,  # every test example once; the padding is masked
     )
-    return common.train(dp, state, train_loader, test_loader, config)
+    schedule = optax.cosine_decay_schedule(config.learning_rate, config.epochs * len(train_loader))
+    dp = jddp.DataParallel(
+        models.nnx_loss(graphdef, lambda model, batch, rng: common.classification_metrics(model(batch["x"]), batch)),
+        optax.adamw(schedule, weight_decay=config.weight_decay),
+        mesh=jddp.data_mesh(),
+        eval_fn=models.nnx_eval(graphdef, common.classification_eval),
+    )
+    state = dp.init(params, model_state, rng=config.seed)
+    result = common.train(dp, state, train_loader, test_loader, config)
+    common.report(result)
+    return result
 
 
 if __name__ == "__main__":
