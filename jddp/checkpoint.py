@@ -172,6 +172,26 @@ def _one_copy_per_process(x: Any) -> Any:
     return jax.make_array_from_single_device_arrays(x.shape, _replicated_on(tuple(first.values())), [shard])
 
 
+def _on_cpu(tree) -> bool:
+    return all(d.platform == "cpu" for x in jax.tree.leaves(tree) for d in x.sharding.device_set)
+
+
+def _pinnable(x: jax.Array) -> bool:
+    return not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+
+
+def _pin(tree) -> list[np.ndarray]:
+    """Host views of every local buffer of ``tree`` (on CPU: no copy); while they live, no step can donate them."""
+    return [np.asarray(s.data) for x in jax.tree.leaves(tree) if _pinnable(x) for s in x.addressable_shards]
+
+
+def _own_key_copy(x: jax.Array) -> jax.Array:
+    """A PRNG key array in buffers of its own (a view cannot pin a key's buffers against donation)."""
+    if _pinnable(x):
+        return x
+    return jax.random.wrap_key_data(jax.random.key_data(x), impl=jax.random.key_impl(x))
+
+
 @functools.lru_cache(maxsize=16)
 def _replicated_on(devices: tuple[jax.Device, ...]) -> jax.sharding.NamedSharding:
     mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
@@ -410,6 +430,12 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
         )
         self._manager = self._open()
+        # Alone on CPU, Orbax's blocking part of an async save (an event loop, several threads started, the
+        # copy as views) runs in this thread while training goes on; the caller only pins the buffers.
+        self._writer = None
+        if async_save and jax.process_count() == 1:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-checkpoint")
+        self._pending: concurrent.futures.Future | None = None
         self._preemption = _Preemption(float(preemption_check_s))
         self._step: int | None = None  # host-side step, the same on every process
         self._last_saved: int | None = None
@@ -440,6 +466,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps with a published checkpoint, oldest first."""
+        self._join()
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -457,13 +484,14 @@ class Checkpointer:
         if not isinstance(state, TrainState):
             raise TypeError(f"`state` must be a jddp.TrainState, got {type(state).__name__}.")
         dispatch.DISPATCHER.drain()
+        self._join()  # one save at a time, as Orbax keeps it
         start = time.perf_counter()
         tree = _as_dict(state)
         step = int(jax.device_get(state.step))
         self._step = step
         if step == self._last_saved or step in self._manager.all_steps():
             if wait:
-                self._manager.wait_until_finished()
+                self.wait()
             return step
         meta = {
             "step": step,
@@ -476,16 +504,25 @@ class Checkpointer:
             "digests": concurrent.futures.Future(),  # set below; read by MetaHandler in the background
             "time": time.time(),
         }
-        items = {STATE: ocp.args.StandardSave(jax.tree.map(_one_copy_per_process, tree)), META: MetaSave(meta)}
+        saved = jax.tree.map(_one_copy_per_process, tree)
+        items = {STATE: ocp.args.StandardSave(saved), META: MetaSave(meta)}
         if loader is not None:
             items[LOADER] = ocp.args.JsonSave(loader.get_state())
         digests = meta["digests"]
         try:
-            if not self._options.enable_async_checkpointing:
+            if self._writer is not None and _on_cpu(saved):
                 digests.set_result(digest_array(tree))
-            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-            if not digests.done():
-                digests.set_result(digest_array(tree))  # dispatched before any later step can donate `tree`
+                items[STATE] = ocp.args.StandardSave(jax.tree.map(_own_key_copy, saved))
+                pins = [
+                    np.asarray(s.data) for x in jax.tree.leaves(saved) if _pinnable(x) for s in x.addressable_shards
+                ]
+                self._pending = self._writer.submit(self._hand_over, step, ocp.args.Composite(**items), pins)
+            else:
+                if not self._options.enable_async_checkpointing:
+                    digests.set_result(digest_array(tree))
+                self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+                if not digests.done():
+                    digests.set_result(digest_array(tree))  # dispatched before any later step can donate `tree`
         except BaseException as error:
             if not digests.done():  # never leave Orbax's background write waiting
                 digests.set_exception(error)
@@ -494,8 +531,21 @@ class Checkpointer:
         self.stats["saves"] += 1
         self.stats["blocked_s"] += time.perf_counter() - start
         if wait:
-            self._manager.wait_until_finished()
+            self.wait()
         return step
+
+    def _hand_over(self, step: int, args, pins: list[np.ndarray]) -> None:
+        """In the writer thread: Orbax's blocking part of an async save.
+
+        ``pins`` (views of the buffers) keep a later step from donating them until Orbax holds its own views.
+        """
+        self._manager.save(step, args=args, force=True)
+
+    def _join(self) -> None:
+        """Waits until Orbax has taken the save handed to the writer thread; raises its error, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def maybe_save(self, state: TrainState, loader=None) -> bool:
         """Call once per training step, on every process. Saves every ``save_every`` steps and on preemption.
@@ -525,13 +575,19 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Waits until every started save is published."""
+        self._join()
         self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for the last save and releases Orbax's resources (and SIGTERM, when the last one closes)."""
         self._preemption.close()
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._join()
+            self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+            if self._writer is not None:
+                self._writer.shutdown()
 
     def __enter__(self) -> Checkpointer:
         return self

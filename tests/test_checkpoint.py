@@ -166,7 +166,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     """A process SIGKILLs itself while its async save of a 64 MB state is being written."""
     code = f"""
-import os, signal, numpy as np, optax, jax, jax.numpy as jnp
+import os, signal, time, numpy as np, optax, jax, jax.numpy as jnp
 import jddp
 dp = jddp.DataParallel(lambda p, s, b, r: (jnp.mean(b["x"]) * jnp.sum(p["w"]), (s, {{}})), optax.sgd(0.1),
                        mesh=jddp.data_mesh())
@@ -175,6 +175,10 @@ ckpt = jddp.Checkpointer({str(tmp_path)!r})
 ckpt.save(state, wait=True)                        # step 0, complete
 state, _ = dp.step(state, {{"x": np.ones((8, 2), np.float32)}})
 ckpt.save(state)                                    # step 1, written in the background
+root = {str(tmp_path)!r}
+deadline = time.monotonic() + 60
+while not any("tmp" in name for name in os.listdir(root)) and time.monotonic() < deadline:
+    time.sleep(0.001)                               # until the write of step 1 has begun
 os.kill(os.getpid(), signal.SIGKILL)
 """
     done = subprocess.run(
