@@ -32,6 +32,17 @@ Guarantees:
   the reason, is renamed to ``<step>.damaged``, and the next older one is tried.
   Every process takes the same decision (the outcome of each attempt is
   all-gathered).
+* **Every checkpoint damaged.** Then ``restore_or_init`` starts from the state
+  passed in, with one more ``CheckpointWarning`` listing every step and reason,
+  and ``Checkpointer.damaged`` lists them. It does not raise: a relaunch would
+  find the damaged steps set aside and start afresh anyway, so an error would
+  only add a crash (and under ``jddp launch --max-restarts``, a restart) before
+  the same outcome, and an error that kept the steps in place would crash every
+  relaunch. Nothing is deleted: the ``<step>.damaged`` directories stay (Orbax
+  ignores them, retention never removes them) for inspection or repair. To stop
+  instead, turn the warning into an error
+  (``warnings.simplefilter("error", jddp.CheckpointWarning)``): it is raised
+  before the step is set aside, so every relaunch stops at it.
 * **Any topology.** The state is restored into the shardings of the ``state``
   passed to ``restore_or_init`` (Orbax reshards), and the loader continues the
   same global batch sequence on any process count.
@@ -83,7 +94,7 @@ DAMAGED_SUFFIX = ".damaged"
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint could not be used (damaged); an older one is used instead."""
+    """A checkpoint could not be used (damaged): an older one is used instead, or, when none is left, none."""
 
 
 # --------------------------------------------------------------------- digests
@@ -440,6 +451,7 @@ class Checkpointer:
         self._step: int | None = None  # host-side step, the same on every process
         self._last_saved: int | None = None
         self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0}
+        self.damaged: list[tuple[int, str]] = []  # (step, reason) of each checkpoint set aside by a restore
 
     # ---------------------------------------------------------------- basics
 
@@ -606,14 +618,14 @@ class Checkpointer:
           loader: a data loader whose position is restored too.
 
         Returns:
-          ``state`` when no checkpoint exists, else the restored state; with a
-          ``loader``, the pair ``(state, loader)``.
+          ``state`` when no checkpoint exists or none can be loaded (see the
+          module docstring), else the restored state; with a ``loader``, the
+          pair ``(state, loader)``.
 
         Raises:
           ValueError: if the checkpoint belongs to another model (names the first
             leaf whose path, shape or dtype differs) or another config (unless
             ``allow_config_change``), or another data setup (the loader says which).
-          RuntimeError: if checkpoints exist but none can be loaded.
         """
         if not isinstance(state, TrainState):
             raise TypeError(f"`state` must be a jddp.TrainState from DataParallel.init, got {type(state).__name__}.")
@@ -639,9 +651,16 @@ class Checkpointer:
                 stacklevel=2,
             )
             self._set_aside(step)
+        self.damaged.extend(failures)
         if restored is None and failures:
             listed = "; ".join(f"step {s}: {r}" for s, r in failures)
-            raise RuntimeError(f"No checkpoint in {self.directory} can be loaded ({listed}). They were set aside.")
+            warnings.warn(
+                f"No checkpoint in {self.directory} can be loaded ({listed}). They are kept as "
+                f"<step>{DAMAGED_SUFFIX}; training starts again from the state passed in, at step "
+                f"{int(jax.device_get(state.step))}.",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         self.stats["restore_s"] = time.perf_counter() - start
         if restored is None:
             self._step = int(jax.device_get(state.step))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,6 +162,43 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
     assert ckpt.all_steps() == [3, 6, 9]
     np.testing.assert_array_equal(np.asarray(state.params["w1"]), np.asarray(saved.params["w1"]))
     gc.collect()  # collect Orbax's failed-restore leftovers here, under this test's filter, not in a later test
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+def test_every_checkpoint_damaged_starts_afresh_with_a_warning_and_keeps_them(tmp_path, uninterrupted):
+    """No crash (a relaunch would crash again or start afresh anyway), nothing deleted, said loudly."""
+    reference, consumed_ref = uninterrupted
+    dp, state, loader = make(4)
+    with jddp.Checkpointer(tmp_path, save_every=3) as ckpt:
+        train(dp, state, loader, 6, ckpt)
+        assert ckpt.all_steps() == [3, 6]
+    delete_manifest(tmp_path / "6")
+    (tmp_path / "3" / "meta" / "metadata").write_text('{"step": 3, "lea')  # a torn metadata file
+
+    dp, state, loader = make(4)
+    ckpt = jddp.Checkpointer(tmp_path, save_every=3)
+    with pytest.warns(jddp.CheckpointWarning) as caught:
+        state, loader = ckpt.restore_or_init(state, loader)
+    messages = [str(w.message) for w in caught]
+    assert messages[0].startswith("Checkpoint step 6 in") and "restore failed" in messages[0]
+    assert messages[1].startswith("Checkpoint step 3 in") and "metadata cannot be read" in messages[1]
+    assert re.match(
+        r"No checkpoint in .* can be loaded \(step 6: restore failed.*; step 3: its metadata cannot be read.*\)\. "
+        r"They are kept as <step>\.damaged; training starts again from the state passed in, at step 0\.",
+        messages[2],
+    ), messages[2]
+    assert [step for step, _ in ckpt.damaged] == [6, 3]
+    assert int(state.step) == 0 and loader.get_state()["position"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3.damaged", "6.damaged"]
+    assert (tmp_path / "6.damaged" / "state").is_dir()  # the data is still there, for inspection or repair
+    state, consumed = train(dp, state, loader, 20, ckpt)  # a fresh run: the uninterrupted sequence from step 1
+    ckpt.close()
+    assert consumed == consumed_ref
+    for name, value in reference.items():
+        np.testing.assert_array_equal(np.asarray(state.params[name]), value)
+    assert ckpt.all_steps() == [12, 15, 18]  # max_to_keep=3
+    assert (tmp_path / "3.damaged").is_dir() and (tmp_path / "6.damaged").is_dir()  # retention leaves them alone
+    gc.collect()  # as above
 
 
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
