@@ -2,17 +2,20 @@
 
     python benchmarks/checkpoint_stall.py [--sizes-mb 16,64,256] [--repeats 5] [--devices 2]
 
-For each state size (float32 parameters, SGD so the optimizer state is empty),
-the same ``jddp.Checkpointer`` code saves the state ``--repeats`` times:
+For each state size (float32 parameters in four leaves, SGD so the optimizer
+state is empty), two ``jddp.Checkpointer`` stay open as in a training loop, one
+with ``async_save=True`` and one with ``async_save=False``. Each round runs one
+training step (untimed, waited for), then saves with both, in alternating order
+so that machine noise hits both:
 
-* async: the time ``save()`` blocks the caller (device-to-host copy, digest,
-  Orbax's synchronous part); the write continues in the background and is
-  waited for, untimed, before the next save;
-* sync: ``async_save=False``, the time until the checkpoint is published;
-* restore: ``restore_or_init`` into a fresh state, digests checked.
+* async: the time ``save()`` blocks the caller; the write continues in the
+  background and is waited for, untimed, before the round goes on;
+* sync: the time until the checkpoint is published;
+* restore: ``restore_or_init`` of the newest synchronous checkpoint into a fresh
+  state, digests checked, with a fresh ``Checkpointer``.
 
-Rounds alternate async and sync so that machine noise hits both. It prints
-medians and the ratio blocked/sync per size. Target: at most 10% from 64 MB up.
+Round 0 warms up (compiles, starts Orbax) and is not counted. It prints medians
+and the ratio blocked/sync per size. Target: at most 10% from 64 MB up.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import shutil
 import statistics
 import tempfile
 import time
+
+MODES = ("async", "sync")
 
 
 def main() -> None:
@@ -43,6 +48,7 @@ def main() -> None:
     root = args.directory or tempfile.mkdtemp(prefix="jddp-ckpt-bench-")
     print(f"jax {jax.__version__}, {jax.device_count()} devices, writing under {root}")
     print(f"{'state MB':>8} {'async blocked ms':>17} {'sync save ms':>13} {'blocked/sync':>13} {'restore ms':>11}")
+    batch = {"x": np.ones((8 * args.devices, 2), np.float32)}
     for size_mb in (int(s) for s in args.sizes_mb.split(",")):
         n = size_mb * 2**20 // 4 // 4  # four leaves
         params = {f"w{i}": np.random.default_rng(i).normal(size=(n,)).astype(np.float32) for i in range(4)}
@@ -50,29 +56,32 @@ def main() -> None:
             lambda p, s, b, r: (jnp.mean(b["x"]) * p["w0"][0], (s, {})), optax.sgd(0.1), mesh=jddp.data_mesh()
         )
         state = dp.init(params)
-        blocked, synced, restored = [], [], []
-        for round_ in range(args.repeats + 1):  # round 0 warms up (compiles the digest, starts Orbax)
-            for mode in ("async", "sync") if round_ % 2 == 0 else ("sync", "async"):
-                directory = f"{root}/{size_mb}-{mode}-{round_}"
-                ckpt = jddp.Checkpointer(directory, async_save=(mode == "async"))
+        ckpts = {mode: jddp.Checkpointer(f"{root}/{size_mb}-{mode}", async_save=mode == "async") for mode in MODES}
+        times: dict[str, list[float]] = {"async": [], "sync": [], "restore": []}
+        for round_ in range(args.repeats + 1):
+            state, _ = dp.step(state, batch)
+            jax.block_until_ready(state)
+            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
                 start = time.perf_counter()
-                ckpt.save(state)
+                ckpts[mode].save(state)
                 elapsed = time.perf_counter() - start
-                ckpt.wait()
+                ckpts[mode].wait()
                 if round_:
-                    (blocked if mode == "async" else synced).append(elapsed)
-                if mode == "sync":
-                    fresh = dp.init(jax.tree.map(np.zeros_like, params))
-                    start = time.perf_counter()
-                    back = ckpt.restore_or_init(fresh)
-                    jax.block_until_ready(back)
-                    if round_:
-                        restored.append(time.perf_counter() - start)
-                    del back, fresh
-                ckpt.close()
-                shutil.rmtree(directory)
-        b, s, r = (statistics.median(x) * 1e3 for x in (blocked, synced, restored))
-        print(f"{size_mb:>8} {b:>17.1f} {s:>13.1f} {b / s:>13.3f} {r:>11.1f}")
+                    times[mode].append(elapsed)
+            with jddp.Checkpointer(f"{root}/{size_mb}-sync") as reader:
+                fresh = dp.init(jax.tree.map(np.zeros_like, params))
+                start = time.perf_counter()
+                back = reader.restore_or_init(fresh)
+                jax.block_until_ready(back)
+                if round_:
+                    times["restore"].append(time.perf_counter() - start)
+                assert int(back.step) == round_ + 1
+            del back, fresh
+        for ckpt in ckpts.values():
+            ckpt.close()
+        shutil.rmtree(f"{root}/{size_mb}-async"), shutil.rmtree(f"{root}/{size_mb}-sync")
+        b, s, r = (statistics.median(times[k]) * 1e3 for k in ("async", "sync", "restore"))
+        print(f"{size_mb:>8} {b:>17.1f} {s:>13.1f} {b / s:>13.3f} {r:>11.1f}", flush=True)
     if not args.directory:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -446,6 +446,7 @@ class Checkpointer:
         self._writer = None
         if async_save and jax.process_count() == 1:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-checkpoint")
+            self._writer.submit(lambda: None)  # starts its thread now, not during the first save
         self._pending: concurrent.futures.Future | None = None
         self._preemption = _Preemption(float(preemption_check_s))
         self._step: int | None = None  # host-side step, the same on every process
