@@ -273,7 +273,6 @@ def _all_agree(flag: bool) -> bool:
 
 _SIGTERM = threading.Event()  # set by the handler below; process-wide, shared by every Checkpointer
 _handler_users = 0
-_handler_previous: Any = None
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -287,14 +286,13 @@ def _install_sigterm_handler() -> bool:
     (``signal.getsignal`` gives ``None``: JAX's preemption notifier, which would
     otherwise swallow the signal); a handler the program set itself is left alone.
     """
-    global _handler_users, _handler_previous
+    global _handler_users
     if threading.current_thread() is not threading.main_thread():
         return False
     current = signal.getsignal(signal.SIGTERM)
     if current is not _on_sigterm:
         if current not in (signal.SIG_DFL, None):
             return False
-        _handler_previous = current
         signal.signal(signal.SIGTERM, _on_sigterm)
     _handler_users += 1
     return True
@@ -526,9 +524,7 @@ class Checkpointer:
             if self._writer is not None and _on_cpu(saved):
                 digests.set_result(digest_array(tree))
                 items[STATE] = ocp.args.StandardSave(jax.tree.map(_own_key_copy, saved))
-                pins = [
-                    np.asarray(s.data) for x in jax.tree.leaves(saved) if _pinnable(x) for s in x.addressable_shards
-                ]
+                pins = _pin(saved)
                 self._pending = self._writer.submit(self._hand_over, step, ocp.args.Composite(**items), pins)
             else:
                 if not self._options.enable_async_checkpointing:

@@ -292,6 +292,9 @@ def test_bad_options_are_rejected(tmp_path):
         jddp.Checkpointer(tmp_path, save_every=0)
     with pytest.raises(ValueError, match=r"`max_to_keep` must be a positive int or None, got -1"):
         jddp.Checkpointer(tmp_path, max_to_keep=-1)
+    for bad in (-1, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match=r"`preemption_check_s` must be a finite number >= 0, got "):
+            jddp.Checkpointer(tmp_path, preemption_check_s=bad)
 
 
 def test_digest_sees_a_one_bit_change():
