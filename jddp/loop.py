@@ -205,14 +205,7 @@ class _Run:
         self.step = first = int(jax.device_get(state.step))
         self.announce(first, config_text)
         if self.main:
-            self.log = _Log(log_dir, first) if log_dir is not None else None
-            for directory in (log_dir, self.ckpt and self.ckpt.directory):
-                if directory is not None and config is not None:
-                    config_lib.save(config, Path(directory) / CONFIG_FILE)
-            if self.progress:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=self.total, initial=min(first, self.total), unit="step", dynamic_ncols=True)
+            self.open_outputs(first, log_dir, config)
         try:
             state = self.train(state)
             if self.last_eval_step != self.step and self.eval_loader is not None:
@@ -230,7 +223,7 @@ class _Run:
                 self.bar.close()
             if self.log is not None:
                 self.log.close()
-        summary = self.summary(first, time.perf_counter() - start)
+        summary = self.summary(time.perf_counter() - start)
         if self.log is not None:
             self.log.plot()
         self.say(
@@ -240,11 +233,22 @@ class _Run:
         )
         return FitResult(state, self.history, self.final_eval, summary)
 
+    def open_outputs(self, first: int, log_dir: Path | None, config) -> None:
+        """Process 0: the log files (cut back to step ``first``), config.yaml files, the progress bar."""
+        self.log = _Log(log_dir, first) if log_dir is not None else None
+        for directory in (log_dir, self.ckpt and self.ckpt.directory):
+            if directory is not None and config is not None:
+                config_lib.save(config, Path(directory) / CONFIG_FILE)
+        if self.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=min(first, self.total), unit="step", dynamic_ncols=True)
+
     def announce(self, first: int, config_text: str | None) -> None:
         mesh = ", ".join(f"{k}={v}" for k, v in self.dp.mesh.shape.items())
         devices = self.dp.mesh.devices.flat
         local = sum(d.process_index == jax.process_index() for d in devices)
-        resumed = f", resumed at step {first}" if first else ""
+        resumed = f", starting at step {first}" if first else ""
         self.say(
             f"fit: {jax.process_count()} process(es), {self.dp.mesh.devices.size} devices "
             f"({local} local), global batch {self.loader.sampler.global_batch_size}, "
@@ -327,7 +331,7 @@ class _Run:
         if self.log is not None:
             self.log.write(rec)
 
-    def summary(self, first: int, wall: float) -> dict[str, float]:
+    def summary(self, wall: float) -> dict[str, float]:
         t = self.times
         after_first = max(self.steps_run - 1, 0) * self.loader.sampler.global_batch_size
         busy = t["step_s"] + t["data_wait_s"]
