@@ -93,3 +93,19 @@ def test_local_program_check_rejects_collectives():
     bench.check_no_collective("ROOT %add = f32[] add(%a, %b)")
     with pytest.raises(RuntimeError, match=r"must have no collective.*'all-reduce': 1"):
         bench.check_no_collective("%ar = f32[10] all-reduce(%g), replica_groups={{0,1}}")
+
+
+@pytest.mark.parametrize("model", bench.MODELS)
+def test_torch_twins_compute_the_same_logits(model):
+    torch = pytest.importorskip("torch", reason="PyTorch is only in the optional `bench` extra")
+    import numpy as np
+
+    from benchmarks.peers import torch_models
+
+    params = bench.init_params(model)
+    x = bench.synthetic_batches(1, 16)[0]["x"]
+    expected = np.asarray(bench.forward(model, params, x))
+    with torch.no_grad():
+        got = torch_models.build(model, params)(torch.from_numpy(x)).numpy()
+    assert expected.shape == (16, bench.CLASSES)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
