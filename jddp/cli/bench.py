@@ -6,29 +6,32 @@ Usage::
 
 Every configuration (``P`` processes holding ``D`` devices in all, ``D / P``
 simulated CPU devices each) runs in fresh processes started through
-``jddp launch``, because the device count is fixed when the JAX backend starts.
-Only configurations where ``P`` divides ``D`` run; ``--repeats R`` runs each
-``R`` times, the configurations in alternating order, and pools the timings
-(so that a slow phase of a shared machine hits every configuration). Each
-trains a model shaped for MNIST-1D (40 features, 10 classes; synthetic data) with AdamW for
-``--batch-per-device`` examples per device (weak scaling, as DDP is used) and
-times three programs on the same pre-placed global batches, interleaved round
-by round in alternating order after ``--warmup`` steps:
+``jddp launch``, because the device count is fixed when the JAX backend
+starts. Configurations where ``P`` does not divide ``D`` are left out; 1
+process with 1 device always runs (the baseline). ``--repeats R`` runs each
+configuration ``R`` times, in alternating order, and pools the timings, so
+that a slow phase of a shared machine hits every configuration.
 
-* ``jddp``: ``DataParallel.step`` (exact weighting, non-finite guard);
+Each configuration trains a model shaped for MNIST-1D (40 features, 10
+classes; synthetic data) with AdamW on ``--batch-per-device`` examples per
+device (weak scaling, as DDP is used) and times three programs on the same
+pre-placed global batches, interleaved round by round in alternating order
+after ``--warmup`` steps:
+
+* ``jddp``: ``DataParallel.step`` with its defaults;
 * ``hand``: a hand-written ``jit(shard_map)`` step with one ``pmean``;
 * ``local``: the same step without the ``pmean`` (no collective at all;
-  checked in the compiled HLO), i.e. computation and update only.
+  checked in the compiled HLO): computation and update only.
 
 Reported per configuration: throughput (examples/s, from the median time per
-step of pipelined runs of ``--steps`` steps), speedup and scaling efficiency
-(speedup / devices) against 1 process with 1 device, step latency (each step
-waited for: median and p90), the all-reduce share (``jddp`` - ``local``) /
+step of pipelined runs of ``--steps`` steps); speedup and scaling efficiency
+(speedup / devices) against 1 process with 1 device; step latency (each step
+waited for: median and p90); the all-reduce share, (``jddp`` - ``local``) /
 ``jddp``: the part of jddp's step that the same computation without a
-collective does not take, i.e. the gradient all-reduce and the little jddp
-adds around it, which is all of it at 1 device), jddp's step time over
-``hand``'s, and compile time (the first ``DataParallel.step`` call). Output: a table on stdout,
-``<output>.json`` and ``<output>.png``.
+collective does not take (the gradient all-reduce and what jddp adds around
+it; at 1 device only the latter); jddp's step time over ``hand``'s; and compile
+time (the first ``DataParallel.step`` call, which includes one step). Output:
+a table on stdout, ``<output>.json`` and ``<output>.png``.
 
 The parent process imports no JAX.
 """
