@@ -13,7 +13,10 @@ beforehand:
 * ``hand-written pmean``: a ``jit(shard_map)`` step with a plain
   ``lax.pmean((loss, grads))`` and the optax update, what a JAX user writes;
 * ``hand-written fused``: the same with loss and gradients concatenated into one
-  vector before the ``pmean``.
+  vector before the ``pmean``;
+* ``hand-written hier``: the fused vector reduced hierarchically on a
+  ``("host", "local")`` view of the same devices: reduce-scatter inside each
+  process, all-reduce of the quarter across processes, all-gather inside.
 
 Variants alternate in blocks inside each worker (the order rotating), and
 topologies alternate over rounds (the order reversed every other round), so
@@ -35,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("jddp", "jddp per-leaf", "hand-written pmean", "hand-written fused")
+VARIANTS = ("jddp", "jddp per-leaf", "hand-written pmean", "hand-written fused", "hand-written hier")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,6 +50,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps per block")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the workers (repeatable)")
+    p.add_argument(
+        "--compare-env",
+        action="append",
+        default=[],
+        help="KEY=VALUE: also run every topology with this added (repeatable; all together), interleaved",
+    )
     p.add_argument("--json", default=None, help="also write the per-step times to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -66,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import optax
     from jax import lax
-    from jax.sharding import NamedSharding
+    from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jddp import runtime
@@ -109,13 +118,26 @@ def worker(args: argparse.Namespace) -> None:
     def mean_loss(p, batch):
         return optax.softmax_cross_entropy_with_integer_labels(forward(p, batch["x"]), batch["y"]).mean()
 
-    def hand_step(fuse: bool):
+    local_n = jax.local_device_count()
+    grid = Mesh(np.asarray(mesh.devices).reshape(-1, local_n), ("host", "local"), axis_types=(AxisType.Auto,) * 2)
+    both = ("host", "local")
+
+    def hierarchical_mean(flat):
+        pad = -flat.size % local_n
+        part = lax.psum_scatter(jnp.pad(flat, (0, pad)), "local", tiled=True)
+        whole = lax.all_gather(lax.psum(part, "host"), "local", tiled=True, to="invarying")
+        return whole[: flat.size] / (local_n * jax.process_count())
+
+    def hand_step(fuse: str | None):
+        axes = both if fuse == "hier" else "data"
+
         def local(p, opt_state, batch):
-            varying = jax.tree.map(lambda a: lax.pcast(a, "data", to="varying"), p)
+            varying = jax.tree.map(lambda a: lax.pcast(a, axes, to="varying"), p)
             loss, grads = jax.value_and_grad(mean_loss)(varying, batch)
             if fuse:
                 leaves, treedef = jax.tree.flatten((loss, grads))
-                flat = lax.pmean(jnp.concatenate([jnp.ravel(a) for a in leaves]), "data")
+                flat = jnp.concatenate([jnp.ravel(a) for a in leaves])
+                flat = hierarchical_mean(flat) if fuse == "hier" else lax.pmean(flat, "data")
                 cuts = np.cumsum([a.size for a in leaves])[:-1]
                 leaves = [f.reshape(a.shape) for f, a in zip(jnp.split(flat, cuts), leaves, strict=True)]
                 loss, grads = jax.tree.unflatten(treedef, leaves)
@@ -124,7 +146,8 @@ def worker(args: argparse.Namespace) -> None:
             updates, opt_state = optimizer.update(grads, opt_state, p)
             return optax.apply_updates(p, updates), opt_state, loss
 
-        mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+        m, spec = (grid, P(both)) if fuse == "hier" else (mesh, P("data"))
+        mapped = jax.shard_map(local, mesh=m, in_specs=(P(), P(), spec), out_specs=(P(), P(), P()))
         step = jax.jit(mapped, donate_argnums=(0, 1))
         rep = runtime.replicated(mesh)
         p = jax.tree.map(lambda a: replicas.put_replicated(a, rep), params)
@@ -149,8 +172,9 @@ def worker(args: argparse.Namespace) -> None:
     makers = {
         "jddp": lambda: jddp_step(None),
         "jddp per-leaf": lambda: jddp_step(False),
-        "hand-written pmean": lambda: hand_step(False),
-        "hand-written fused": lambda: hand_step(True),
+        "hand-written pmean": lambda: hand_step(None),
+        "hand-written fused": lambda: hand_step("flat"),
+        "hand-written hier": lambda: hand_step("hier"),
     }
     runs = {name: makers[name]() for name in variants}
     for run in runs.values():  # compile and warm up, one program at a time
@@ -172,10 +196,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(topology: str, args: argparse.Namespace) -> dict[str, list[float]]:
-    procs, devices = topology.split("x")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     env.update(kv.split("=", 1) for kv in args.env)
+    if topology.endswith(" +env"):
+        topology = topology.removesuffix(" +env")
+        env.update(kv.split("=", 1) for kv in args.compare_env)
+    procs, devices = topology.split("x")
     cmd = [sys.executable, "-m", "jddp.launch", "-n", procs, "--devices-per-process", devices, __file__, "--worker"]
     cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps), "--variants", args.variants]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -193,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
 
     topologies = args.topologies.split(",")
+    if args.compare_env:
+        topologies = [t + suffix for t in topologies for suffix in ("", " +env")]
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -211,12 +240,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"ms per step, {args.rounds} launches x {args.blocks} blocks x {args.steps} steps; env: {args.env or 'default'}"
     )
-    print(f"{'topology':<9} {'variant':<19} {'median':>8} {'p90':>8} {f'/ {base}':>8} {'/ ' + ref:>21}")
+    print(f"{'topology':<13} {'variant':<19} {'median':>8} {'p90':>8} {f'/ {base}':>8} {'/ ' + ref:>21}")
     for t in topologies:
         for v in variants:
-            print(f"{t:<9} {v:<19} {median[t][v]:8.2f} {p90[t][v]:8.2f} {median[t][v] / median[base][v]:8.2f} "
+            print(f"{t:<13} {v:<19} {median[t][v]:8.2f} {p90[t][v]:8.2f} {median[t][v] / median[base][v]:8.2f} "
                   f"{median[t][v] / median[t][ref]:21.2f}")  # fmt: skip
-    result = {"median_ms": median, "p90_ms": p90, "env": args.env}
+    result = {"median_ms": median, "p90_ms": p90, "env": args.env, "compare_env": args.compare_env}
     if args.json:
         Path(args.json).write_text(json.dumps({**result, "times_ms": times}, indent=1))
     return result

@@ -32,7 +32,8 @@ def lines_with(text: str, marker: str) -> list[str]:
 def test_every_topology_trains_to_the_same_parameters(tmp_path):
     """2 processes x 2 devices and 4 x 1 equal 1 process x 4 devices and one device (1e-6, 20 AdamW steps).
 
-    Process 1 starts from other parameters: init must broadcast process 0's.
+    Process 1 starts from other parameters: init must broadcast process 0's. Every
+    topology's step reduces one fused buffer (one operand: one gloo ring pass).
     """
     outputs = {}
     for name, devices in (("1x1", 1), ("1x4", 4)):
@@ -50,6 +51,8 @@ def test_every_topology_trains_to_the_same_parameters(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         outputs[name] = done.stdout
         assert f"processes={n}" in done.stdout
+    for name in ("1x4", "2x2", "4x1"):
+        assert "allreduce_ops=1 operands=1" in outputs[name], (name, outputs[name])
     reference = dict(np.load(tmp_path / "1x1.npz"))
     for name in ("1x4", "2x2", "4x1"):
         params = dict(np.load(tmp_path / f"{name}.npz"))

@@ -51,7 +51,12 @@ while done < steps:
         if done == steps:
             break
 dp.assert_replicas_identical(state)
+report = dp.comm_report(state, batch)
+operands = sum(len(c.operands) for c in report.collectives)
 if jax.process_index() == 0:
     flat = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree.leaves_with_path(state.params)}
     np.savez(out, **flat)
-    print(f"RESULT devices={jax.device_count()} processes={jax.process_count()} loss={metrics['loss']:.6f}")
+    print(
+        f"RESULT devices={jax.device_count()} processes={jax.process_count()} loss={metrics['loss']:.6f} "
+        f"allreduce_ops={report.count('all-reduce')} operands={operands}"
+    )
