@@ -11,7 +11,8 @@ do; it runs them in the right order and writes what happened:
   resolved config printed, ``config.yaml`` written to ``log_dir`` and beside the
   checkpoints.
 * **Each step**: ``dp.step``; every ``log_every`` steps (and at the last) the
-  step's metrics, exact global means, are read (the only wait for the devices)
+  step's metrics, exact global means, are read (the only wait for the devices
+  fit adds; ``dp.step`` itself keeps at most ``max_inflight`` steps queued)
   and appended to ``log_dir/metrics.jsonl`` (flushed: a kill loses nothing
   already logged) and to TensorBoard; ``dp.evaluate`` on ``eval_loader`` every
   ``eval_every`` steps (or at each epoch end) and at the end;
