@@ -86,7 +86,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from jddp import data, models
+    from jddp import config, data, models
     from jddp.checkpoint import Checkpointer, CheckpointWarning
     from jddp.distributed import ProcessGroup, barrier, initialize
     from jddp.engine.comm import CommReport
@@ -94,6 +94,7 @@ if TYPE_CHECKING:
     from jddp.engine.reduce import Weighted, masked_mean
     from jddp.engine.state import TrainState
     from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
+    from jddp.loop import FitResult, fit
     from jddp.runtime import (
         DATA_AXIS,
         batch_sharding,
