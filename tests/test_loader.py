@@ -208,12 +208,33 @@ def test_worker_processes_give_the_same_batches(monkeypatch, transform):
     monkeypatch.setattr(loader_lib, "_READ_BYTES", 3000)  # several blocks per worker
     data = source(96)
     kwargs = {"global_batch_size": 16, "seed": 4, "transform": transform}
-    expected = [host(b) for b in jddp.data.DataLoader(data, **kwargs)]
-    got = [host(b) for b in jddp.data.DataLoader(data, worker_count=2, **kwargs)]
-    assert len(got) == len(expected) == 6
+    reference = jddp.data.DataLoader(data, **kwargs)
+    expected = [host(b) for _ in range(2) for b in reference]
+    loader = jddp.data.DataLoader(data, worker_count=2, **kwargs)
+    got, streams = [], []
+    for _ in range(2):  # two epochs from the same workers: they are not restarted per epoch
+        got.extend(host(b) for b in loader)
+        streams.append(loader._box[0])
+    assert streams[0] is streams[1] is not None
+    loader.close()
+    assert loader._box[0] is None
+    assert len(got) == len(expected) == 12
     for a, b in zip(got, expected, strict=True):
         for k in b:
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_stream_restarts_where_the_position_moved():
+    data = source(100)
+    loader = jddp.data.DataLoader(data, global_batch_size=16, seed=2, drop_last=False)
+    reference = DistributedSampler(100, global_batch_size=16, seed=2, drop_last=False)
+    it = iter(loader)
+    next(it), next(it)
+    loader.set_epoch(3)  # jumps: the stream read ahead from position 2 must not be used
+    first = next(iter(loader))
+    np.testing.assert_array_equal(np.asarray(first["x"]), data["x"][reference.local_batch(21).indices])
+    state = loader.get_state()
+    assert state["position"] == 22 and state["epoch"] == 3
 
 
 def test_trains_like_pre_staged_batches():

@@ -15,6 +15,7 @@ runs on the same cores, so every microsecond here is a microsecond of step.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -39,12 +40,14 @@ _MAX_BATCHES_PER_READ = 16
 # larger ones in a fresh shared-memory segment each (Grain's default is 0: all
 # through shared memory). A block of at most ~_READ_BYTES costs less pickled.
 _MIN_SHM_BYTES = 2 * _READ_BYTES
+# The read-ahead stream covers this many epochs past the current one (then restarts).
+_EPOCHS_AHEAD = 1 << 20
 
 
 class _ReadBatch:
     """Reads runs of consecutive local batches as packed blocks; pickled into Grain worker processes.
 
-    ``self(first)`` returns ``(block, layout)``: ``block`` is
+    ``self(first)`` returns ``(first, block, layout)``: ``block`` is
     ``uint8[count, local_batch_size, row_bytes]`` holding the batches at
     positions ``first, ..., first + count - 1`` (``count`` up to
     ``batches_per_read``, never past the end of ``first``'s epoch), packed as
@@ -65,20 +68,20 @@ class _ReadBatch:
             batch_bytes = sampler.local_batch_size * self.row_bytes
             self.batches_per_read = int(np.clip(_READ_BYTES // batch_bytes, 1, _MAX_BATCHES_PER_READ))
 
-    def __call__(self, first: int) -> tuple[np.ndarray, tuple[packing.Field, ...]]:
+    def __call__(self, first: int) -> tuple[int, np.ndarray, tuple[packing.Field, ...]]:
         first = int(first)
         per_epoch = len(self.sampler)
         count = min(self.batches_per_read, per_epoch - first % per_epoch)
         if self.arrays is None:  # one batch per read
             data, layout = packing.pack(self.batch(first))
-            return data[None], layout
+            return first, data[None], layout
         indices, mask, _ = self.sampler.local_block(first, count)
         block = np.empty((count, indices.shape[1], self.row_bytes), np.uint8)
         views = packing.host_views(block, self.layout)
         for name, array in self.arrays.items():
             np.take(array, indices, axis=0, out=views[name], mode="clip")  # indices are valid; "clip" is unbuffered
         views["mask"][...] = mask
-        return block, self.layout
+        return first, block, self.layout
 
     def batch(self, position: int) -> Example:
         """This process's batch at ``position`` as a dict of arrays, transforms applied."""
@@ -119,6 +122,33 @@ def read(source, indices: np.ndarray) -> Example:
         return {k: np.asarray(v)[indices] for k, v in source.items()}
     records = [source[int(i)] for i in indices]
     return _stack([r if isinstance(r, Mapping) else {"x": r} for r in records])
+
+
+class _FirstPosition:
+    """Block index -> position of its first batch, for blocks that never cross an epoch boundary."""
+
+    def __init__(self, start: int, per_epoch: int, per_read: int):
+        self.start, self.per_epoch, self.per_read = start, per_epoch, per_read
+        self.blocks_per_epoch = -(-per_epoch // per_read)
+        self.blocks_in_first_epoch = -(-(per_epoch - start % per_epoch) // per_read)
+
+    def __call__(self, block: int) -> int:
+        if block < self.blocks_in_first_epoch:
+            return self.start + block * self.per_read
+        epoch, j = divmod(block - self.blocks_in_first_epoch, self.blocks_per_epoch)
+        return (self.start // self.per_epoch + 1 + epoch) * self.per_epoch + j * self.per_read
+
+
+def _close_box(box: list) -> None:
+    iterator, box[0] = box[0], None
+    if iterator is not None:
+        _close(iterator)
+
+
+def _close(iterator) -> None:
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
 
 
 def _absl_flags_parsed() -> None:
@@ -235,6 +265,12 @@ class DataLoader:
         self._read = _ReadBatch(source, self.sampler, transform, batch_transform)
         self._sharding = runtime.batch_sharding(mesh)
         self._transfer = _Transfer(self._sharding, global_batch_size)
+        # The stream sits in a box that a finalizer closes when the loader goes
+        # away or at exit, before the interpreter tears down what Grain's own
+        # cleanup needs.
+        self._box: list[Iterator | None] = [None]
+        weakref.finalize(self, _close_box, self._box)
+        self._stream_position, self._rows, self._layout = -1, iter(()), ()
 
     def __len__(self) -> int:
         """Global batches per epoch."""
@@ -257,19 +293,18 @@ class DataLoader:
         """Continues from ``state``; raises ``ValueError`` for another data setup."""
         self.sampler.load_state_dict(state)
 
-    def _pipeline(self) -> grain.IterDataset:
-        """Grain pipeline of packed blocks from the cursor to the end of its epoch.
+    def _pipeline(self, start: int, epochs: int) -> grain.IterDataset:
+        """Grain pipeline of packed blocks from position ``start`` to the end of ``epochs`` more epochs.
 
         Each element is ``_ReadBatch``'s block of up to ``batches_per_read``
         batches, read (and transformed) in Grain workers when ``worker_count``
         > 0 and read ahead by a thread when ``prefetch`` > 0.
         """
-        start = self.sampler.position
-        end = (self.sampler.epoch + 1) * len(self.sampler)
-        per_read = self._read.batches_per_read
-        dataset = grain.MapDataset.range(start, end, per_read).map(self._read)
+        first = _FirstPosition(start, len(self.sampler), self._read.batches_per_read)
+        blocks = first.blocks_in_first_epoch + epochs * first.blocks_per_epoch
+        dataset = grain.MapDataset.range(blocks).map(first).map(self._read)
         it = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-        ahead = -(-self.prefetch // per_read)  # in blocks, rounded up
+        ahead = -(-self.prefetch // self._read.batches_per_read)  # in blocks, rounded up
         if self.worker_count:
             _absl_flags_parsed()
             shm = grain.experimental.DatasetOptions(min_shm_size=_MIN_SHM_BYTES)
@@ -280,27 +315,52 @@ class DataLoader:
             it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=ahead)
         return it
 
-    def _blocks(self) -> Iterator[tuple[np.ndarray, tuple[packing.Field, ...]]]:
-        iterator = iter(self._pipeline())
-        try:
-            yield from iterator
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-
     def local_batches(self) -> Iterator[Example]:
         """This process's NumPy slices from the position to the end of the epoch (position not advanced)."""
-        for block, layout in self._blocks():
-            for data in block:
-                yield packing.host_views(data, layout)
+        iterator = iter(self._pipeline(self.sampler.position, epochs=0))
+        try:
+            for _, block, layout in iterator:
+                for data in block:
+                    yield packing.host_views(data, layout)
+        finally:
+            _close(iterator)
 
     def __iter__(self) -> Iterator[packing.PackedBatch]:
-        for block, layout in self._blocks():
-            for data in block:
-                batch = packing.PackedBatch(self._transfer(data), layout)
-                self.sampler.position += 1  # consumed once handed out: a save now resumes after it
-                yield batch
+        end = (self.sampler.epoch + 1) * len(self.sampler)
+        while self.sampler.position < end:
+            data, layout = self._next_local()
+            batch = packing.PackedBatch(self._transfer(data), layout)
+            self.sampler.position += 1  # consumed once handed out: a save now resumes after it
+            yield batch
+
+    def _next_local(self) -> tuple[np.ndarray, tuple[packing.Field, ...]]:
+        """The local rows at the sampler's position, from one stream that runs on across epochs.
+
+        Grain workers and read-ahead therefore live as long as the loader
+        instead of restarting every epoch (a worker start is seconds of
+        imports). The stream restarts only when the position moved
+        (``set_state``, ``set_epoch``) or a read failed.
+        """
+        if self._box[0] is None or self._stream_position != self.sampler.position:
+            self.close()
+            self._box[0] = iter(self._pipeline(self.sampler.position, epochs=_EPOCHS_AHEAD))
+            self._stream_position, self._rows = self.sampler.position, iter(())
+        row = next(self._rows, None)
+        if row is None:
+            try:
+                first, block, self._layout = next(self._box[0])
+            except BaseException:
+                self.close()
+                raise
+            assert first == self._stream_position, (first, self._stream_position)
+            self._rows = iter(block)
+            row = next(self._rows)
+        self._stream_position += 1
+        return row, self._layout
+
+    def close(self) -> None:
+        """Stops the read-ahead stream and its Grain workers; iterating again starts a new one."""
+        _close_box(self._box)
 
     def to_global(self, local: Example) -> packing.PackedBatch:
         """This process's rows as one global batch sharded over ``"data"``.
