@@ -212,6 +212,8 @@ class DataLoader:
       prefetch: batches read ahead, by a thread (0 workers) or per worker,
         rounded up to whole blocks (a dict of arrays is read up to 16 batches at
         a time); 0 reads in the training thread when the next block is due.
+        Reading ahead runs on into the next epoch: the workers and the thread
+        live until ``close()`` or until the loader is garbage collected.
 
     Raises:
       ValueError: for an empty source or a batch the devices cannot split.
