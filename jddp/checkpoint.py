@@ -20,8 +20,17 @@ What a checkpoint (one directory per step, written by Orbax's
 
 Guarantees:
 
-* **Async.** ``save`` returns once the arrays are copied off the devices (tens
-  of ms); the files are written in the background. ``close`` waits.
+* **Async.** ``save`` returns before the files are written; ``close`` waits.
+  Orbax is handed one copy of each replicated array per process (the buffer of
+  that process's first device, not a copy), so it slices nothing while the
+  caller waits and every process still writes its share. A single process on
+  CPU hands Orbax's own blocking part to a writer thread and returns after
+  pinning the buffers with host views (no copy; a pinned buffer is never
+  donated, so the next step writes into new memory) and dispatching the
+  digests: medians of 3 to 8 ms at 64 MB on a loaded 2-core machine, at most
+  4% of a synchronous save (``benchmarks/checkpoint_stall.py``). Orbax's part
+  then runs beside the training loop and competes with it for the GIL. Saves
+  do not overlap: a save first waits until Orbax has taken the previous one.
 * **Atomic.** Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames
   when complete; a kill at any instant leaves the previous checkpoint intact.
   Leftover temporary directories are removed when a ``Checkpointer`` opens the
