@@ -66,8 +66,10 @@ Guarantees:
 * **Agreement.** ``maybe_save`` decides from a step counter every process
   keeps the same way (call it once per step on every process) and from
   collectives, never from local state alone. Every process takes part in every
-  save (Orbax writes each process's share of every array and synchronises with
-  time-limited barriers).
+  save (Orbax writes each process's share of every array and synchronises the
+  processes: with collectives in the calling thread, which a dead peer turns
+  into exit 69 through jddp's watchdog, and with key-value barriers limited by
+  ``timeout_s`` in the background).
 """
 
 from __future__ import annotations
