@@ -48,6 +48,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="launches per topology")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks per variant in a launch")
     p.add_argument("--steps", type=int, default=10, help="timed steps per block")
+    p.add_argument(
+        "--hidden", type=int, default=256, help="MLP width (MNIST-1D's default 256; larger for bigger gradients)"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the workers (repeatable)")
     p.add_argument(
@@ -82,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     from jddp.engine import replicas
 
     variants = args.variants.split(",")
-    sizes, batch_size, n_batches = [40, 256, 256, 10], 128, 8
+    sizes, batch_size, n_batches = [40, args.hidden, args.hidden, 10], 128, 8
     rng = np.random.default_rng(0)
     params = {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
               for i, (a, b) in enumerate(itertools.pairwise(sizes))}  # fmt: skip
@@ -205,6 +208,7 @@ def launch(topology: str, args: argparse.Namespace) -> dict[str, list[float]]:
     procs, devices = topology.split("x")
     cmd = [sys.executable, "-m", "jddp.launch", "-n", procs, "--devices-per-process", devices, __file__, "--worker"]
     cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps), "--variants", args.variants]
+    cmd += ["--hidden", str(args.hidden)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     for line in done.stdout.splitlines():
         if "RESULT " in line:

@@ -377,3 +377,31 @@ def test_bad_fuse_allreduce(mesh):
     model = models.pytree()
     with pytest.raises(ValueError, match=r"`fuse_allreduce` must be True, False or None .*fuse_allreduce='yes'"):
         jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh, fuse_allreduce="yes")
+
+
+def test_fused_psum_packs_small_leaves_and_leaves_large_ones_alone(mesh):
+    """Small leaves of a dtype share one buffer, a leaf above `max_leaf_bytes` is its own operand; sums as psum's."""
+    from jax.sharding import PartitionSpec as P
+
+    from jddp.engine import comm, fused
+
+    rng = np.random.default_rng(0)
+    tree = {
+        "big": rng.normal(size=(N, 300, 1000)).astype(np.float32),  # 1.2 MB per device
+        "w": rng.normal(size=(N, 3, 4)).astype(np.float32),
+        "n": rng.integers(0, 9, size=(N,)).astype(np.int32),
+        "s": rng.normal(size=(N,)).astype(np.float32),
+    }
+
+    def reduce(fn):
+        body = lambda t: fn(jax.tree.map(lambda x: x[0], t), "data")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+    fused_fn = reduce(fused.fused_psum)
+    got, want = fused_fn(tree), reduce(jax.lax.psum)(tree)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
+    assert max_diff(got, want) < 1e-3  # sums of 8 values of ~1: float round-off
+    np.testing.assert_array_equal(got["n"], tree["n"].sum(0))
+    report = comm.CommReport.from_hlo(fused_fn.lower(tree).compile().as_text())
+    operands = sorted(op for c in report.collectives for op in c.operands)
+    assert operands == [("f32", (13,)), ("f32", (300, 1000)), ("s32", (1,))]
