@@ -31,7 +31,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=int, default=200_000, help="source size")
     p.add_argument("--global-batch-size", type=int, default=256, help="examples per global batch")
     p.add_argument("--batches", type=int, default=400, help="batches timed per loader measurement")
-    p.add_argument("--repeats", type=int, default=3, help="loader measurements per worker count (median)")
+    p.add_argument("--repeats", type=int, default=3, help="loader windows per worker count (median)")
     p.add_argument("--rounds", type=int, default=120, help="interleaved rounds for the loop comparison")
     p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.add_argument("--prefetch", type=int, default=2, help="loader prefetch (0: read in the training thread)")
@@ -66,25 +66,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     bs = args.global_batch_size
 
-    def loader_rate(workers: int) -> tuple[float, float]:
+    def endless(loader):
+        while True:
+            yield from loader  # one epoch per pass, as a training loop reads it
+
+    def loader_rates(workers: int) -> tuple[float, float]:
+        """Median examples/s and main-process CPU s per batch over ``repeats`` windows of one iterator."""
         loader = jddp.data.DataLoader(
             source, global_batch_size=bs, seed=1, worker_count=workers, prefetch=args.prefetch
         )
-        it = iter(loader)
+        it = endless(loader)
         for _ in range(20):  # start the workers, fill the buffers
             jax.block_until_ready(next(it))
-        t, cpu = time.perf_counter(), time.process_time()
-        for batch in itertools.islice(it, args.batches):
-            jax.block_until_ready(batch)
-        rate = args.batches * bs / (time.perf_counter() - t)
-        cpu_per_batch = (time.process_time() - cpu) / args.batches
+        runs = []
+        for _ in range(args.repeats):
+            t, cpu = time.perf_counter(), time.process_time()
+            for batch in itertools.islice(it, args.batches):
+                jax.block_until_ready(batch)
+            runs.append((args.batches * bs / (time.perf_counter() - t), (time.process_time() - cpu) / args.batches))
         it.close()
-        return rate, cpu_per_batch
+        return float(np.median([r[0] for r in runs])), float(np.median([r[1] for r in runs]))
 
     rates, cpus = {}, {}
     for w in (0, 1, 2):
-        runs = [loader_rate(w) for _ in range(args.repeats)]
-        rates[w], cpus[w] = (float(np.median([r[i] for r in runs])) for i in (0, 1))
+        rates[w], cpus[w] = loader_rates(w)
 
     def loss(model, batch, rng):
         logits = model(batch["x"])
