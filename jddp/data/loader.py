@@ -14,7 +14,6 @@ runs on the same cores, so every microsecond here is a microsecond of step.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -266,7 +265,7 @@ class DataLoader:
         self.worker_count, self.prefetch = worker_count, prefetch
         self._read = _ReadBatch(source, self.sampler, transform, batch_transform)
         self._sharding = runtime.batch_sharding(mesh)
-        self._transfer = _Transfer(self._sharding, global_batch_size)
+        self._transfer = packing.Transfer(self._sharding, global_batch_size)
         # The stream sits in a box that a finalizer closes when the loader goes
         # away or at exit, before the interpreter tears down what Grain's own
         # cleanup needs.
@@ -372,57 +371,3 @@ class DataLoader:
         """
         data, layout = packing.pack(local)
         return packing.PackedBatch(self._transfer(data), layout)
-
-
-class _Transfer:
-    """Puts this process's packed rows onto its devices as the global batch array.
-
-    The same result as ``jax.make_array_from_process_local_data(sharding, rows,
-    global_shape)`` (``jax.device_put`` in one process), at a fraction of the
-    host CPU: measured on 8 simulated devices, about 70 µs per batch through
-    ``jax.device_put``'s Python layers, about 15 µs straight through
-    ``batched_device_put``, the C++ call those layers end in. On simulated
-    devices the host CPU is what the training step runs on, so it counts. The
-    direct call is private JAX API: if it is missing, or the local rows are not
-    one contiguous block of the global batch, the public functions are used.
-    """
-
-    def __init__(self, sharding, global_rows: int):
-        self.sharding, self.global_rows = sharding, global_rows
-        self._put = None
-        try:
-            from jax._src import core
-            from jax._src.lib import xla_client
-
-            self._put, self._aval = xla_client.batched_device_put, core.ShapedArray
-        except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
-            return
-        self._slices: dict[int, tuple[list, list[slice]]] = {}
-
-    def _plan(self, row_bytes: int) -> tuple[list, list[slice]] | None:
-        """Addressable devices and their rows of the local block, or None if not one contiguous block."""
-        if row_bytes not in self._slices:
-            index = self.sharding.addressable_devices_indices_map((self.global_rows, row_bytes))
-            devices = list(index)
-            rows = [index[d][0].indices(self.global_rows)[:2] for d in devices]
-            offset = min(start for start, _ in rows)
-            covered = sorted(rows)
-            contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(covered))
-            full_columns = all(index[d][1] == slice(None) for d in devices)
-            plan = None
-            if contiguous and full_columns:
-                plan = (devices, [slice(a - offset, b - offset) for a, b in rows])
-            self._slices[row_bytes] = plan
-        return self._slices[row_bytes]
-
-    def __call__(self, data: np.ndarray) -> jax.Array:
-        plan = self._plan(data.shape[1]) if self._put is not None else None
-        shape = (self.global_rows, data.shape[1])
-        if plan is None:
-            if jax.process_count() == 1:
-                return jax.device_put(data, self.sharding)
-            return jax.make_array_from_process_local_data(self.sharding, data, shape)
-        devices, rows = plan
-        if rows[-1].stop > len(data):
-            raise ValueError(f"Expected {rows[-1].stop} local rows for the batch, got {len(data)}.")
-        return self._put(self._aval(shape, data.dtype), self.sharding, [data[r] for r in rows], devices, True)
