@@ -8,10 +8,12 @@ import pytest
 from examples.mnist1d import train
 from jddp import config as config_lib
 
+CONFIGS = train.DEFAULT_CONFIG.parent
+
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_trains_above_chance(model, tmp_path):
-    config = config_lib.parse(train.Config, [f"config=configs/mnist1d_{model}.yaml"])
+    config = config_lib.parse(train.Config, [f"config={CONFIGS / f'mnist1d_{model}.yaml'}"])
     config = dataclasses.replace(
         config, epochs=8, num_samples=1000, global_batch_size=64, hidden=64, channels=16,
         learning_rate=1e-2, log_dir=str(tmp_path), progress=False,
@@ -25,7 +27,7 @@ def test_trains_above_chance(model, tmp_path):
 
 def test_configs_load_and_overrides_are_checked():
     assert config_lib.parse(train.Config, [], path=train.DEFAULT_CONFIG).model is train.Model.mlp
-    cnn = config_lib.parse(train.Config, ["config=configs/mnist1d_cnn.yaml", "epochs=3"])
+    cnn = config_lib.parse(train.Config, [f"config={CONFIGS / 'mnist1d_cnn.yaml'}", "epochs=3"])
     assert (cnn.model, cnn.epochs, cnn.learning_rate) == (train.Model.cnn, 3, 1e-2)
     with pytest.raises(config_lib.ConfigError, match=r"`model`.*'rnn'"):
         config_lib.parse(train.Config, ["model=rnn"])
