@@ -116,6 +116,7 @@ def make_model(config: Config):
 
 
 def forward(model, batch):
+    """Next-byte logits for the inputs ``tokens[:, :-1]`` of a batch of windows."""
     return model(batch["tokens"][:, :-1].astype("int32"))
 
 
