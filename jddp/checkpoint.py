@@ -26,7 +26,8 @@ Guarantees:
   caller waits and every process still writes its share. A single process on
   CPU hands Orbax's own blocking part to a writer thread and returns after
   pinning the buffers with host views (no copy; a pinned buffer is never
-  donated, so the next step writes into new memory) and dispatching the
+  donated, so the next step writes into new memory; a typed PRNG key is
+  pinned through its key data) and dispatching the
   digests: medians of 3 to 8 ms at 64 MB on a loaded 2-core machine, at most
   4% of a synchronous save (``benchmarks/checkpoint_stall.py``). Orbax's part
   then runs beside the training loop and competes with it for the GIL. Saves
@@ -62,7 +63,8 @@ Guarantees:
   ``preemption_check_s`` seconds, at steps they agreed at the previous
   exchange, and all stop at the same step. ``maybe_save`` saves that step,
   waits for the write, and raises ``SystemExit(75)`` (``jddp.EXIT_PREEMPTED``).
-  Running again resumes.
+  Running again resumes. When the last open ``Checkpointer`` closes, SIGTERM
+  gets its default action back and a notice caught meanwhile is dropped.
 * **Agreement.** ``maybe_save`` decides from a step counter every process
   keeps the same way (call it once per step on every process) and from
   collectives, never from local state alone. Every process takes part in every
@@ -116,8 +118,11 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
 
     The words form rows of 1024; one sum weights each word by an odd constant of
     its column, the other weights each row's sum by an odd constant of its row.
-    Odd weights make any change of a single word change the first sum.
+    Odd weights make any change of a single word change the first sum. A typed
+    PRNG key is digested through its key data.
     """
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
     if x.dtype.itemsize == 2:
         words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     elif x.dtype.itemsize == 1:
@@ -198,20 +203,21 @@ def _on_cpu(tree) -> bool:
     return all(d.platform == "cpu" for x in jax.tree.leaves(tree) for d in x.sharding.device_set)
 
 
-def _pinnable(x: jax.Array) -> bool:
-    return not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+def _host_view(x: jax.Array) -> np.ndarray:
+    """A host view of a single-device array's buffer (on CPU: no copy); a typed PRNG key through its key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)  # shares the key array's buffer
+    return np.asarray(x)
 
 
 def _pin(tree) -> list[np.ndarray]:
-    """Host views of every local buffer of ``tree`` (on CPU: no copy); while they live, no step can donate them."""
-    return [np.asarray(s.data) for x in jax.tree.leaves(tree) if _pinnable(x) for s in x.addressable_shards]
+    """Host views of every local buffer of ``tree``; while they live, no step can donate them (JAX skips the donation).
 
-
-def _own_key_copy(x: jax.Array) -> jax.Array:
-    """A PRNG key array in buffers of its own (a view cannot pin a key's buffers against donation)."""
-    if _pinnable(x):
-        return x
-    return jax.random.wrap_key_data(jax.random.key_data(x), impl=jax.random.key_impl(x))
+    A typed PRNG key is pinned through its key data, which shares its buffer:
+    ``wrap_key_data(key_data(x))`` would share it too, and a later step would
+    donate it from under the writer thread.
+    """
+    return [_host_view(s.data) for x in jax.tree.leaves(tree) for s in x.addressable_shards]
 
 
 @functools.lru_cache(maxsize=16)
@@ -310,11 +316,16 @@ def _install_sigterm_handler() -> bool:
 
 
 def _uninstall_sigterm_handler() -> None:
-    """When the last Checkpointer closes: the default action again (JAX's notifier cannot be put back)."""
+    """When the last Checkpointer closes: the default action again (JAX's notifier cannot be put back).
+
+    The notice is dropped with the handler: it was for the Checkpointers that
+    were open, and a later one must not stop at its first step for it.
+    """
     global _handler_users
     _handler_users -= 1
-    if _handler_users == 0 and signal.getsignal(signal.SIGTERM) is _on_sigterm:
-        if threading.current_thread() is threading.main_thread():
+    if _handler_users == 0:
+        _SIGTERM.clear()
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
@@ -534,7 +545,6 @@ class Checkpointer:
         try:
             if self._writer is not None and _on_cpu(saved):
                 digests.set_result(digest_array(tree))
-                items[STATE] = ocp.args.StandardSave(jax.tree.map(_own_key_copy, saved))
                 pins = _pin(saved)
                 self._pending = self._writer.submit(self._hand_over, step, ocp.args.Composite(**items), pins)
             else:
@@ -569,6 +579,12 @@ class Checkpointer:
 
     def maybe_save(self, state: TrainState, loader=None) -> bool:
         """Call once per training step, on every process. Saves every ``save_every`` steps and on preemption.
+
+        Every process must call it the same number of times (once after each
+        step): it counts the steps on the host, and in a group the preemption
+        exchange is an all-gather at steps so counted. A process that calls it
+        more or less often than the others meets their all-gather at another
+        point or never, and the group hangs until the peer timeout.
 
         Returns:
           True if a checkpoint was started at this step.

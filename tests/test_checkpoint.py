@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -253,6 +255,96 @@ def test_sigterm_saves_exits_75_and_the_rerun_ends_bitwise_equal(tmp_path):
     a, b = np.load(clean / "final.npz"), np.load(interrupted / "final.npz")
     for name in a.files:
         np.testing.assert_array_equal(a[name], b[name])
+
+
+# ------------------------------------------------------------------ the async write beside training
+
+
+def _sum_loss(params, model_state, batch, key):
+    """Every parameter's gradient is mean(x): each step changes every byte; a key in the model state is split."""
+    loss = jnp.mean(batch["x"]) * sum(jnp.sum(v) for v in jax.tree.leaves(params))
+    if model_state:
+        model_state = {"key": jax.random.split(model_state["key"][0], model_state["key"].shape[0])}
+    return loss, (model_state, {})
+
+
+@pytest.mark.parametrize("typed_key", [False, True], ids=["arrays", "with-a-typed-key"])
+def test_each_checkpoint_is_the_state_at_its_step_while_later_steps_donate(tmp_path, typed_key):
+    """Saves in a row, each followed at once by donating steps; every checkpoint restores bitwise as saved.
+
+    The writer thread reads the buffers while the next steps run: a buffer it
+    reads must not be donated (a typed PRNG key once was, through a copy that
+    shared its buffer, and its write failed with "Array has been deleted").
+    """
+    dp = jddp.DataParallel(_sum_loss, optax.sgd(0.5), mesh=jddp.data_mesh(jax.devices()[:4]))
+    params = {f"w{i}": np.random.default_rng(i).normal(size=(2**21,)).astype(np.float32) for i in range(3)}
+
+    def fresh():
+        state = dp.init(params)
+        if not typed_key:
+            return state
+        keys = jax.device_put(jax.random.split(jax.random.key(3), 64), state.params["w0"].sharding)
+        return dataclasses.replace(state, model_state={"key": keys})
+
+    def host_copy(state):
+        model_state = jax.tree.map(lambda k: np.array(jax.random.key_data(k)), state.model_state)
+        return jax.tree.map(np.array, state.params), model_state
+
+    state, batch, expected = fresh(), {"x": np.ones((16, 2), np.float32)}, {}
+    with jddp.Checkpointer(tmp_path, max_to_keep=None) as ckpt:
+        for _ in range(3):
+            expected[int(state.step)] = host_copy(state)
+            ckpt.save(state)
+            for _ in range(3):
+                state, _ = dp.step(state, batch)  # donates the state just saved
+    assert sorted(expected) == [0, 3, 6]
+    for step in (6, 3, 0):
+        with jddp.Checkpointer(tmp_path) as ckpt:
+            restored = ckpt.restore_or_init(fresh())
+        assert int(restored.step) == step
+        for got, want in zip(jax.tree.leaves(host_copy(restored)), jax.tree.leaves(expected[step]), strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        shutil.rmtree(tmp_path / str(step))  # the next older one is the newest now
+
+
+@pytest.mark.parametrize("then", ["save", "wait", "close"])
+def test_an_error_in_the_background_write_surfaces_on_the_next_call(tmp_path, then):
+    _, state, _ = make(4)
+    ckpt = jddp.Checkpointer(tmp_path)
+
+    def failing_save(*args, **kwargs):
+        raise OSError("disk full (injected)")
+
+    ckpt._manager.save = failing_save
+    assert ckpt.save(state) == 0  # returns: the write fails in the background
+    with pytest.raises(OSError, match=r"disk full \(injected\)"):
+        if then == "save":
+            ckpt.save(dataclasses.replace(state, step=state.step + 1))
+        elif then == "wait":
+            ckpt.wait()
+        else:
+            ckpt.close()
+    ckpt.close()  # raised once; closing (again) is clean
+    assert ckpt.all_steps() == []
+
+
+def test_close_restores_sigterm_and_forgets_a_notice_it_acted_on(tmp_path):
+    """After the last Checkpointer closes, SIGTERM kills again and an old notice does not preempt a new one."""
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    dp, state, loader = make(2)
+    first = jddp.Checkpointer(tmp_path / "a", exit_on_preemption=False)
+    second = jddp.Checkpointer(tmp_path / "b")
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    os.kill(os.getpid(), signal.SIGTERM)  # caught: the test goes on
+    state, _ = train(dp, state, loader, 1)
+    assert first.maybe_save(state, loader) and first.preempted and first.all_steps() == [1]
+    second.close()
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # `first` is still open
+    first.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with jddp.Checkpointer(tmp_path / "c", save_every=100) as third:
+        state, _ = train(dp, state, loader, 4, third)  # maybe_save each step: no stale preemption
+        assert not third.preempted and third.all_steps() == []
 
 
 # ------------------------------------------------------------------ errors
