@@ -38,6 +38,27 @@ COMMAND_LINE = "command line"
 FILE_KEY = "config"  # `config=FILE` on the command line names the YAML file
 
 
+FINGERPRINT = "fingerprint"  # dataclass field metadata key; False: not part of the config fingerprint
+
+
+def run_field(default: Any) -> Any:
+    """A config field that says where or how a run happens, not what it computes.
+
+    ``jddp.Checkpointer`` leaves such fields out of the config fingerprint, so a
+    run resumed with another value (other devices, log directory, progress
+    bar) is not a config change.
+
+    Example:
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Config:
+      ...     learning_rate: float = 1e-3
+      ...     devices: int = run_field(0)
+      >>> [f.metadata.get(FINGERPRINT, True) for f in dataclasses.fields(Config)]
+      [True, False]
+    """
+    return dataclasses.field(default=default, metadata={FINGERPRINT: False})
+
+
 class ConfigError(ValueError):
     """A config value, key or file is wrong; the message names the key, the source and what was expected."""
 

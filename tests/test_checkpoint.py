@@ -21,6 +21,7 @@ import pytest
 
 import jddp
 from jddp import exitcodes
+from jddp.checkpoint import config_fingerprint
 from tests import multiprocess
 
 WORKER = str(multiprocess.WORKERS / "ckpt_train.py")
@@ -376,6 +377,34 @@ def test_config_change_is_an_error_unless_allowed(tmp_path):
             ckpt.restore_or_init(state, loader)
     with jddp.Checkpointer(tmp_path, config={"lr": 0.02, "batch": 16}, allow_config_change=True) as ckpt:
         with pytest.warns(jddp.CheckpointWarning, match="another config"):
+            ckpt.restore_or_init(state, loader)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    hidden: int = 32
+    devices: int = jddp.config.run_field(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    lr: float = 0.01
+    log_dir: str = jddp.config.run_field("runs/a")
+    model: _Model = dataclasses.field(default_factory=_Model)
+
+
+def test_run_fields_are_not_part_of_the_config_fingerprint(tmp_path):
+    moved = _Run(log_dir="elsewhere", model=_Model(devices=8))
+    assert config_fingerprint(moved) == config_fingerprint(_Run())
+    assert config_fingerprint(moved)[1] == {"lr": 0.01, "model": {"hidden": 32}}
+    assert config_fingerprint(_Run(model=_Model(hidden=64)))[0] != config_fingerprint(_Run())[0]
+    _, state, loader = make(2)
+    with jddp.Checkpointer(tmp_path, config=_Run()) as ckpt:
+        ckpt.save(state, loader)
+    with jddp.Checkpointer(tmp_path, config=moved) as ckpt:  # other devices and log directory: resumes
+        assert int(ckpt.restore_or_init(state, loader)[0].step) == int(state.step)
+    with jddp.Checkpointer(tmp_path, config=_Run(lr=0.02)) as ckpt:
+        with pytest.raises(ValueError, match=r"another config \(lr: 0.01 -> 0.02\)"):
             ckpt.restore_or_init(state, loader)
 
 

@@ -20,13 +20,14 @@ import sys
 
 from examples import common
 from examples.lm import data as data_lib
+from jddp.config import run_field
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "lm.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    devices: int = 0  # simulated CPU devices per process (0: $JDDP_LOCAL_DEVICES under jddp launch, else JAX's)
+    devices: int = run_field(0)  # simulated CPU devices per process (0: $JDDP_LOCAL_DEVICES or JAX's)
     steps: int = 300  # optimizer steps (the training split is 65k windows: 300 steps of 32 see 15% of it)
     global_batch_size: int = 32  # windows per step over all devices
     seq_len: int = 64  # bytes predicted per window (the context)
@@ -44,11 +45,11 @@ class Config:
     eval_batch_size: int = 256  # windows per evaluation step
     seed: int = 0  # seeds the shuffling and the init
     eval_every: int = 0  # steps between test evaluations (0: at each epoch's end); always at the end
-    log_every: int = 10  # steps between train-metric records
-    log_dir: str = "runs/lm"  # metrics.jsonl, TensorBoard events, config.yaml, loss.png ("" for none)
-    checkpoint_dir: str = ""  # checkpoints, resumed from when present ("" for none)
-    save_every: int = 0  # steps between checkpoints (0: only at the end)
-    progress: bool = True  # progress bar on process 0
+    log_every: int = run_field(10)  # steps between train-metric records
+    log_dir: str = run_field("runs/lm")  # metrics.jsonl, TensorBoard events, config.yaml, loss.png ("" for none)
+    checkpoint_dir: str = run_field("")  # checkpoints, resumed from when present ("" for none)
+    save_every: int = run_field(0)  # steps between checkpoints (0: only at the end)
+    progress: bool = run_field(True)  # progress bar on process 0
 
     def __post_init__(self):
         if self.compute_dtype not in ("bfloat16", "float32"):

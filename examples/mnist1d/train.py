@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from examples import common
+from jddp.config import run_field
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parents[2] / "configs" / "mnist1d_mlp.yaml"
 
@@ -30,7 +31,7 @@ class Model(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    devices: int = 0  # simulated CPU devices per process (0: $JDDP_LOCAL_DEVICES under jddp launch, else JAX's)
+    devices: int = run_field(0)  # simulated CPU devices per process (0: $JDDP_LOCAL_DEVICES or JAX's)
     model: Model = Model.mlp  # `mlp` or `cnn`
     epochs: int = 30  # passes over the training set
     global_batch_size: int = 128  # examples per step over all devices
@@ -41,11 +42,11 @@ class Config:
     num_samples: int = 5000  # MNIST-1D examples generated (80% train, 20% test)
     seed: int = 0  # seeds the data generation, the shuffling and the init
     eval_every: int = 0  # steps between test evaluations (0: after every epoch); always at the end
-    log_every: int = 10  # steps between train-metric records
-    log_dir: str = "runs/mnist1d"  # metrics.jsonl, TensorBoard events, config.yaml, loss.png ("" for none)
-    checkpoint_dir: str = ""  # checkpoints, resumed from when present ("" for none)
-    save_every: int = 0  # steps between checkpoints (0: only at the end)
-    progress: bool = True  # progress bar on process 0
+    log_every: int = run_field(10)  # steps between train-metric records
+    log_dir: str = run_field("runs/mnist1d")  # metrics.jsonl, TensorBoard events, config.yaml, loss.png ("" for none)
+    checkpoint_dir: str = run_field("")  # checkpoints, resumed from when present ("" for none)
+    save_every: int = run_field(0)  # steps between checkpoints (0: only at the end)
+    progress: bool = run_field(True)  # progress bar on process 0
 
 
 def load_data(config: Config) -> dict[str, np.ndarray]:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jddp import config as config_lib
+
 
 def _leaf_digest(x: jax.Array) -> jax.Array:
     """Two weighted sums of the leaf's 32-bit words, mod 2^32.
@@ -77,11 +79,15 @@ def describe_leaves(tree) -> list[list]:
 
 
 def config_fingerprint(config: Any) -> tuple[str, dict[str, Any]]:
-    """A stable fingerprint of a config (dataclass, OmegaConf config, mapping) and its JSON form."""
+    """A stable fingerprint of a config (dataclass, OmegaConf config, mapping) and its JSON form.
+
+    Dataclass fields made with ``jddp.config.run_field`` (where or how the run
+    happens: devices, log directory) are left out, at any depth.
+    """
     if config is None:
         return "", {}
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        plain = dataclasses.asdict(config)
+        plain = _fingerprinted(config)
     elif type(config).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 
@@ -92,6 +98,21 @@ def config_fingerprint(config: Any) -> tuple[str, dict[str, Any]]:
         raise TypeError(f"`config` must be a dataclass, an OmegaConf config or a mapping, got {type(config).__name__}.")
     plain = json.loads(json.dumps(plain, sort_keys=True, default=str))
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16], plain
+
+
+def _fingerprinted(value: Any) -> Any:
+    """``dataclasses.asdict`` without the fields whose metadata says ``fingerprint: False``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _fingerprinted(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.metadata.get(config_lib.FINGERPRINT, True)
+        }
+    if isinstance(value, list | tuple):
+        return [_fingerprinted(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _fingerprinted(v) for k, v in value.items()}
+    return value
 
 
 class MetaHandler(ocp.JsonCheckpointHandler):
