@@ -110,9 +110,10 @@ class DataParallel:
       max_inflight: steps dispatched ahead of the host (see
         ``jddp.engine.dispatch``).
       fuse_allreduce: sum the gradients and every other reduced value as one
-        flat buffer per dtype (``jddp.engine.fused``) instead of one buffer per
-        leaf; ``None`` does so on CPU devices, where XLA runs one collective per
-        buffer in sequence (one gloo ring pass each between processes).
+        flat buffer per dtype (``jddp.engine.fused``; leaves over 1 MiB stay
+        buffers of their own) instead of one buffer per leaf; ``None`` does so
+        on CPU devices, where XLA runs one collective per buffer in sequence
+        (one gloo ring pass each between processes).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
