@@ -162,7 +162,9 @@ class Checkpointer:
         tree = _as_dict(state)
         step = int(jax.device_get(state.step))
         self._step = step
-        if step == self._last_saved or step in self._manager.all_steps():
+        # Saved already (a resumed run's final save): skip on every process if any process sees the step, so
+        # that processes with different views of a shared file system never split between saving and not.
+        if not preemption.all_agree(step != self._last_saved and step not in self._manager.all_steps()):
             if wait:
                 self.wait()
             return step
