@@ -33,7 +33,7 @@ def test_every_topology_trains_to_the_same_parameters(tmp_path):
     """2 processes x 2 devices and 4 x 1 equal 1 process x 4 devices and one device (1e-6, 20 AdamW steps).
 
     Process 1 starts from other parameters: init must broadcast process 0's. Every
-    topology's step reduces one fused buffer (one operand: one gloo ring pass).
+    step spanning several processes reduces one fused buffer (one operand: one gloo ring pass).
     """
     outputs = {}
     for name, devices in (("1x1", 1), ("1x4", 4)):
@@ -51,7 +51,8 @@ def test_every_topology_trains_to_the_same_parameters(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         outputs[name] = done.stdout
         assert f"processes={n}" in done.stdout
-    for name in ("1x4", "2x2", "4x1"):
+    assert "allreduce_ops=1 " in outputs["1x4"], outputs["1x4"]  # one op; per-leaf operands within one process
+    for name in ("2x2", "4x1"):  # several processes: one fused operand, one gloo ring pass
         assert "allreduce_ops=1 operands=1" in outputs[name], (name, outputs[name])
     reference = dict(np.load(tmp_path / "1x1.npz"))
     for name in ("1x4", "2x2", "4x1"):
