@@ -5,7 +5,8 @@ through ``jddp launch`` (one CPU device per process). Every process joins
 JAX's group (``jddp.initialize``: ``jax.distributed`` with gloo) and PyTorch's
 (``torch.distributed`` with gloo), then, for each model, trains
 
-* ``jddp``: ``DataParallel.step`` with default options (on CPU one fused all-reduce buffer);
+* ``jddp``: ``DataParallel.step`` with default options (one fused all-reduce buffer when the
+  mesh spans several processes; per leaf in one process);
 * ``jddp per-leaf``: the same with ``fuse_allreduce=False`` (one buffer per
   leaf: jddp before the fused all-reduce);
 * ``jax``: a hand-written ``jit(shard_map)`` step (varying params, value_and_grad, one ``pmean``, optax);
