@@ -389,8 +389,8 @@ class DataParallel:
             grads, model_state, sums = self._accumulate(params_v, state.model_state, batch, key)
 
         # The one all-reduce: gradients, loss/metric totals, counts and any
-        # model state still varying, summed together (XLA emits one op; on CPU
-        # `fused_psum` makes it one buffer per dtype, so one pass of the ring).
+        # model state still varying, summed together (XLA emits one op; across CPU
+        # processes `fused_psum` makes it one buffer per dtype, so one pass of the ring).
         synced, varying_state, unflatten_state = _split_varying(model_state)
         wire = opts.reduce_dtype
         grads_wire = grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
