@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -46,12 +45,12 @@ import jax
 
 from jddp import checkpoint as checkpoint_lib
 from jddp import config as config_lib
-from jddp import exitcodes
+from jddp import exitcodes, logs
 from jddp.data import loader as loader_lib
 from jddp.engine import parallel
 from jddp.engine import state as state_lib
 
-METRICS_FILE, CONFIG_FILE, PLOT_FILE = "metrics.jsonl", "config.yaml", "loss.png"
+CONFIG_FILE = "config.yaml"
 TIMES = ("compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")
 
 
@@ -187,7 +186,7 @@ class _Run:
         self.final_eval: dict[str, float] = {}
         self.last_eval_step = -1
         self.steps_run = self.step = 0
-        self.log: _Log | None = None
+        self.log: logs.RunLog | None = None
         self.bar = None
 
     @contextlib.contextmanager
@@ -236,7 +235,7 @@ class _Run:
 
     def open_outputs(self, first: int, log_dir: Path | None, config) -> None:
         """Process 0: the log files (cut back to step ``first``), config.yaml files, the progress bar."""
-        self.log = _Log(log_dir, first) if log_dir is not None else None
+        self.log = logs.RunLog(log_dir, first) if log_dir is not None else None
         for directory in (log_dir, self.ckpt and self.ckpt.directory):
             if directory is not None and config is not None:
                 config_lib.save(config, Path(directory) / CONFIG_FILE)
@@ -343,99 +342,3 @@ class _Run:
             "examples_per_s": after_first / busy if after_first and busy > 0 else 0.0,
             **t,
         }
-
-
-class _Log:
-    """Process 0's files: ``metrics.jsonl`` (appended, flushed per record), TensorBoard events, the loss plot."""
-
-    def __init__(self, log_dir: Path, first: int):
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.dir = log_dir
-        self.path = log_dir / METRICS_FILE
-        self.seen = {(r["step"], r["split"]) for r in _keep_until(self.path, first)}
-        self.file = open(self.path, "a")  # closed in close()
-        self.tb = _summary_writer(log_dir, purge_step=first + 1)
-
-    def write(self, rec: dict) -> None:
-        key = (rec["step"], rec["split"])
-        if key in self.seen:  # e.g. the final evaluation of a run resumed after its end
-            return
-        self.seen.add(key)
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        for name, value in rec.items():
-            if name not in ("step", "epoch", "split"):
-                self.tb.add_scalar(f"{rec['split']}/{name}", value, rec["step"])
-
-    def close(self) -> None:
-        self.file.close()
-        self.tb.close()
-
-    def plot(self) -> None:
-        """``loss.png``: training and evaluation loss over the whole run (all attempts), written atomically."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        records = read_metrics(self.path)
-        figure = Figure(figsize=(6, 4), dpi=100)
-        FigureCanvasAgg(figure)
-        ax = figure.add_subplot()
-        for split, style in (("train", "-"), ("eval", "o-")):
-            points = [(r["step"], r["loss"]) for r in records if r["split"] == split and "loss" in r]
-            if points:
-                ax.plot(*zip(*points, strict=True), style, label=f"{split} loss", markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_yscale("log" if all(r.get("loss", 1) > 0 for r in records) else "linear")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        figure.tight_layout()
-        tmp = self.dir / f".{PLOT_FILE}.tmp"
-        figure.savefig(tmp, format="png")
-        os.replace(tmp, self.dir / PLOT_FILE)
-
-
-def _summary_writer(log_dir: Path, purge_step: int):
-    """A tensorboardX ``SummaryWriter``, imported without PyTorch.
-
-    tensorboardX imports ``torch`` when it is installed (seconds), only to accept
-    its tensors; fit logs floats. Unless the program already imported it, torch
-    is hidden while tensorboardX loads (``sys.modules[name] = None`` makes
-    ``import torch`` raise ``ImportError``, which tensorboardX handles).
-    """
-    hide = "torch" not in sys.modules and "tensorboardX" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if hide:
-            del sys.modules["torch"]
-    return SummaryWriter(str(log_dir), purge_step=purge_step)
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a ``metrics.jsonl``; a last line cut by a kill is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # only the last line can be partial: records are written whole and flushed in order
-    return records
-
-
-def _keep_until(path: Path, step: int) -> list[dict]:
-    """Drops the records after ``step`` (and a line cut by a kill) from ``path``, atomically; returns the rest."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    kept = [r for r in read_metrics(path) if r["step"] <= step]
-    if len(kept) != len(lines):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
-    return kept

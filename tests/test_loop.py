@@ -16,7 +16,8 @@ import pytest
 
 import jddp
 from jddp import exitcodes
-from jddp.loop import FitResult, fit, read_metrics
+from jddp.logs import read_metrics
+from jddp.loop import FitResult, fit
 from tests import multiprocess
 
 WORKER = str(multiprocess.WORKERS / "fit_train.py")

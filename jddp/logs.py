@@ -1,0 +1,112 @@
+"""Process 0's record of a run: ``metrics.jsonl``, TensorBoard events and the loss plot (used by ``jddp.fit``).
+
+``metrics.jsonl`` holds one JSON record per line (``step``, ``epoch``,
+``split`` = ``"train"`` or ``"eval"``, then the metrics), appended and flushed
+as the run goes, so a kill loses nothing already logged; a resumed run first
+drops the records after its restored step (``keep_until``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
+
+
+class RunLog:
+    """Process 0's files: ``metrics.jsonl`` (appended, flushed per record), TensorBoard events, the loss plot."""
+
+    def __init__(self, log_dir: Path, first: int):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.dir = log_dir
+        self.path = log_dir / METRICS_FILE
+        self.seen = {(r["step"], r["split"]) for r in keep_until(self.path, first)}
+        self.file = open(self.path, "a")  # closed in close()
+        self.tb = summary_writer(log_dir, purge_step=first + 1)
+
+    def write(self, rec: dict) -> None:
+        key = (rec["step"], rec["split"])
+        if key in self.seen:  # e.g. the final evaluation of a run resumed after its end
+            return
+        self.seen.add(key)
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        for name, value in rec.items():
+            if name not in ("step", "epoch", "split"):
+                self.tb.add_scalar(f"{rec['split']}/{name}", value, rec["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        self.tb.close()
+
+    def plot(self) -> None:
+        """``loss.png``: training and evaluation loss over the whole run (all attempts), written atomically."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        records = read_metrics(self.path)
+        figure = Figure(figsize=(6, 4), dpi=100)
+        FigureCanvasAgg(figure)
+        ax = figure.add_subplot()
+        for split, style in (("train", "-"), ("eval", "o-")):
+            points = [(r["step"], r["loss"]) for r in records if r["split"] == split and "loss" in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, label=f"{split} loss", markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_yscale("log" if all(r.get("loss", 1) > 0 for r in records) else "linear")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        figure.tight_layout()
+        tmp = self.dir / f".{PLOT_FILE}.tmp"
+        figure.savefig(tmp, format="png")
+        os.replace(tmp, self.dir / PLOT_FILE)
+
+
+def summary_writer(log_dir: Path, purge_step: int):
+    """A tensorboardX ``SummaryWriter``, imported without PyTorch.
+
+    tensorboardX imports ``torch`` when it is installed (seconds), only to accept
+    its tensors; fit logs floats. Unless the program already imported it, torch
+    is hidden while tensorboardX loads (``sys.modules[name] = None`` makes
+    ``import torch`` raise ``ImportError``, which tensorboardX handles).
+    """
+    hide = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter(str(log_dir), purge_step=purge_step)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a last line cut by a kill is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # only the last line can be partial: records are written whole and flushed in order
+    return records
+
+
+def keep_until(path: Path, step: int) -> list[dict]:
+    """Drops the records after ``step`` (and a line cut by a kill) from ``path``, atomically; returns the rest."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+    return kept
