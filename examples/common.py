@@ -1,4 +1,4 @@
-"""Pieces the examples share: classification metrics and the `jddp.fit` call.
+"""Pieces the examples share: classification metrics, the classifiers' training and the `jddp.fit` call.
 
 Imports of JAX happen inside the functions, after ``jddp.initialize`` ran in
 the example's ``main``.
@@ -81,6 +81,45 @@ def train(dp, state, train_loader, test_loader, config, *, steps: int | None = N
     out.update({f"test_{k}": float(v) for k, v in result.final_eval.items() if k != "examples"})
     out.update({k: float(v) for k, v in result.summary.items() if k not in ("steps", "final_step")})
     return out
+
+
+def train_classifier(config, data: dict, model: tuple) -> dict[str, float]:
+    """The classifier examples' training: loaders, AdamW with cosine decay, ``DataParallel``, ``fit``.
+
+    Args:
+      config: the example's ``Config``: ``global_batch_size``, ``seed``,
+        ``learning_rate``, ``weight_decay``, ``epochs`` and what ``train`` reads.
+      data: ``x``, ``y``, ``x_test``, ``y_test`` arrays.
+      model: ``(graphdef, params, model_state)`` of an NNX classifier
+        (``jddp.models.nnx_split``).
+
+    Returns:
+      ``train``'s final metrics.
+    """
+    import optax
+
+    import jddp
+    from jddp import models
+
+    graphdef, params, model_state = model
+    train_loader = jddp.data.DataLoader(
+        {"x": data["x"], "y": data["y"]}, global_batch_size=config.global_batch_size, seed=config.seed
+    )
+    test_loader = jddp.data.DataLoader(
+        {"x": data["x_test"], "y": data["y_test"]},
+        global_batch_size=config.global_batch_size,
+        shuffle=False,
+        drop_last=False,  # every test example once; the padding is masked
+    )
+    schedule = optax.cosine_decay_schedule(config.learning_rate, config.epochs * len(train_loader))
+    dp = jddp.DataParallel(
+        models.nnx_loss(graphdef, lambda model, batch, rng: classification_metrics(model(batch["x"]), batch)),
+        optax.adamw(schedule, weight_decay=config.weight_decay),
+        mesh=jddp.data_mesh(),
+        eval_fn=models.nnx_eval(graphdef, classification_eval),
+    )
+    state = dp.init(params, model_state, rng=config.seed)
+    return train(dp, state, train_loader, test_loader, config)
 
 
 def report(result: dict[str, float]) -> None:

@@ -100,30 +100,7 @@ def main(config: Config) -> dict[str, float]:
     import jddp
 
     jddp.initialize(local_devices=config.devices or None)  # joins the group under `jddp launch`
-    import optax
-
-    from jddp import models
-
-    data = load_data(config)
-    graphdef, params, model_state = make_model(config)
-    train_loader = jddp.data.DataLoader(
-        {"x": data["x"], "y": data["y"]}, global_batch_size=config.global_batch_size, seed=config.seed
-    )
-    test_loader = jddp.data.DataLoader(
-        {"x": data["x_test"], "y": data["y_test"]},
-        global_batch_size=config.global_batch_size,
-        shuffle=False,
-        drop_last=False,  # every test example once; the padding is masked
-    )
-    schedule = optax.cosine_decay_schedule(config.learning_rate, config.epochs * len(train_loader))
-    dp = jddp.DataParallel(
-        models.nnx_loss(graphdef, lambda model, batch, rng: common.classification_metrics(model(batch["x"]), batch)),
-        optax.adamw(schedule, weight_decay=config.weight_decay),
-        mesh=jddp.data_mesh(),
-        eval_fn=models.nnx_eval(graphdef, common.classification_eval),
-    )
-    state = dp.init(params, model_state, rng=config.seed)
-    result = common.train(dp, state, train_loader, test_loader, config)
+    result = common.train_classifier(config, load_data(config), make_model(config))
     common.report(result)
     return result
 
