@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -382,13 +383,21 @@ class Checkpointer:
         has_loader = (self.directory / str(step) / LOADER).exists()
         if loader is not None and has_loader:
             items[LOADER] = ocp.args.JsonRestore()
-        try:
-            result = self._manager.restore(step, args=ocp.args.Composite(**items))
-            leaves = jax.tree.leaves(result[STATE])
-            tree = jax.tree.unflatten(jax.tree.structure(target), leaves)
-        except Exception as error:  # Orbax raises many types for damaged files
-            text = str(error).splitlines()[0] if str(error) else ""
-            return None, f"restore failed: {type(error).__name__}: {text[:300]}"
+        # A restore that fails inside Orbax leaves coroutines never awaited; their RuntimeWarnings (at once or
+        # when collected) are noise of Orbax's failure path, so they are collected here, under this filter.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+            failure = None
+            try:
+                result = self._manager.restore(step, args=ocp.args.Composite(**items))
+                leaves = jax.tree.leaves(result[STATE])
+                tree = jax.tree.unflatten(jax.tree.structure(target), leaves)
+            except Exception as error:  # Orbax raises many types for damaged files
+                text = str(error).splitlines()[0] if str(error) else ""
+                failure = f"restore failed: {type(error).__name__}: {text[:300]}"
+            if failure is not None:
+                gc.collect()  # the error and its frames are gone: Orbax's leftovers go now, under the filter
+                return None, failure
         digests = digest.state_digests(tree)
         bad = [d[0] for d, got, want in zip(meta["leaves"], digests, meta["digests"], strict=True) if got != want]
         if bad:
