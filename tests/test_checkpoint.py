@@ -117,6 +117,38 @@ def test_restore_onto_other_device_counts_continues_the_same_batches(tmp_path, u
             np.testing.assert_allclose(np.asarray(state.params[name]), value, rtol=0, atol=1e-6)
 
 
+def dropout_loss_fn(params, model_state, batch, key):
+    """``loss_fn`` with dropout: the loss depends on the step's key, so on the saved RNG."""
+    hidden = jnp.tanh(batch["x"] @ params["w1"])
+    hidden = hidden * jax.random.bernoulli(key, 0.5, hidden.shape) * 2.0
+    logits = hidden @ params["w2"]
+    loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch.get("mask"))
+    return loss, (model_state, {})
+
+
+def test_resume_restores_the_rng_into_a_state_built_from_another_seed(tmp_path):
+    """The run's key is part of the checkpoint: a relaunch that builds its state with another seed still
+    continues the uninterrupted run bitwise (and that seed alone would have trained differently)."""
+
+    def run(seed: int, until: int, ckpt=None):
+        dp, state, loader = make(4)
+        dp = jddp.DataParallel(dropout_loss_fn, optax.adamw(1e-2), mesh=state.params["w1"].sharding.mesh)
+        state = dp.init(jax.tree.map(np.asarray, state.params), rng=seed)
+        if ckpt is not None:
+            state, loader = ckpt.restore_or_init(state, loader)
+        return train(dp, state, loader, until, ckpt)[0]
+
+    reference = jax.tree.map(np.asarray, run(7, 12).params)
+    other_seed = jax.tree.map(np.asarray, run(99, 12).params)
+    assert not np.array_equal(other_seed["w1"], reference["w1"])  # the key matters to this loss
+    with jddp.Checkpointer(tmp_path, save_every=5) as ckpt:
+        run(7, 6, ckpt)
+    with jddp.Checkpointer(tmp_path) as ckpt:
+        resumed = run(99, 12, ckpt)
+    for name, value in reference.items():
+        np.testing.assert_array_equal(np.asarray(resumed.params[name]), value, err_msg=name)
+
+
 def largest_data_file(step_dir: Path) -> Path:
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
     return max(files, key=lambda p: p.stat().st_size)

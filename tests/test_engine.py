@@ -235,15 +235,25 @@ def test_nonfinite_raise_names_the_step(mesh):
     assert float(info.value.state.params["w"]) == 2.0
 
 
-def test_bf16_reduce_rounds_gradients(mesh):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "per-leaf"])
+def test_bf16_reduce_puts_bf16_on_the_wire_and_rounds(mesh, fuse):
+    """The program asks for a bf16 all-reduce of the gradients (checked before XLA:CPU widens it back)."""
     model = models.pytree()
     b = models.batch(64)
     f32, _ = train(jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh), model, [b])
-    dp = jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh, reduce_dtype=jnp.bfloat16)
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(1.0), mesh=mesh, reduce_dtype=jnp.bfloat16, fuse_allreduce=fuse)
     bf16, _ = train(dp, model, [b])
     diff = max_diff(f32.params, bf16.params)
     assert 1e-7 < diff < 1e-2
     report = dp.comm_report(bf16, b)
+    grad_elements = sum(x.size for x in jax.tree.leaves(model.params))
+    elements: dict[str, int] = {}
+    for c in report.lowered:
+        for dtype, shape in c.operands if c.op == "all-reduce" else ():
+            elements[dtype] = elements.get(dtype, 0) + int(np.prod(shape))
+    assert set(elements) == {"bf16", "f32"}, report.lowered
+    assert elements["bf16"] == grad_elements  # every gradient element in bf16, once
+    assert elements["f32"] <= 6  # only the scalars (loss, counts, metric totals) stay f32
     assert report.count("all-reduce") == 1
     if jax.default_backend() == "cpu":
         assert "widens a bf16 all-reduce to f32" in str(report)

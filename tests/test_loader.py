@@ -119,8 +119,29 @@ def test_per_example_transform_does_not_depend_on_the_process_count():
             parts.append(loader_lib._ReadBatch(data, s, double_with_noise, None).batch(position))
         np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), whole["x"])
         assert not np.allclose(whole["x"], 2 * data["x"][one.local_batch(position).indices])
-    second_epoch = read_one(4 + 0)  # same examples' rngs differ across epochs
-    assert not np.array_equal(second_epoch["x"], read_one(0)["x"])
+
+
+def noise_of(example, rng):
+    return {**example, "noise": np.float64(rng.normal())}
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
+def test_the_same_example_draws_new_randomness_every_epoch(shuffle):
+    """An example's transform ``rng`` changes with the epoch (also when the order does not) and repeats on a re-read."""
+    data = {**source(64), "id": np.arange(64, dtype=np.int32)}
+    sampler = DistributedSampler(64, global_batch_size=16, seed=1, shuffle=shuffle)
+    read = loader_lib._ReadBatch(data, sampler, noise_of, None).batch
+
+    def epoch_noise(epoch: int) -> np.ndarray:
+        batches = [read(epoch * len(sampler) + b) for b in range(len(sampler))]
+        ids = np.concatenate([b["id"] for b in batches])
+        noise = np.concatenate([b["noise"] for b in batches])
+        return noise[np.argsort(ids)]  # by example
+
+    first, second = epoch_noise(0), epoch_noise(1)
+    assert len(np.unique(first)) == 64  # every example its own draw
+    assert not np.any(first == second)  # and a new one every epoch
+    np.testing.assert_array_equal(epoch_noise(0), first)  # re-reading an epoch repeats it
 
 
 class CountingSource:

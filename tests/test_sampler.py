@@ -92,6 +92,35 @@ def test_epochs_differ_and_seed_repeats(case):
         np.testing.assert_array_equal(order0, order1)
 
 
+@pytest.mark.parametrize(
+    ("size", "drop_last", "expected"),
+    [(12, False, 3), (12, True, 3), (13, False, 4), (13, True, 3), (3, False, 1), (4, True, 1)],
+    ids=["divides", "divides-drop", "remainder", "remainder-drop", "smaller-than-a-batch", "one-batch-drop"],
+)
+def test_len_counts_the_batches_of_an_epoch(size, drop_last, expected):
+    s = DistributedSampler(size, global_batch_size=4, num_replicas=2, rank=1, drop_last=drop_last)
+    assert len(s) == expected
+    assert len(list(s)) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(setups(), st.integers(1, 6), st.booleans())
+def test_len_is_the_batches_of_an_epoch_and_none_is_all_padding(case, batches, divides):
+    """``len`` counts the global batches; no batch is padding only, whether the size divides or not."""
+    setup, replicas = case
+    batch = setup["global_batch_size"]
+    if divides:
+        setup = {**setup, "dataset_size": batches * batch}
+    n = setup["dataset_size"]
+    expected = n // batch if setup["drop_last"] else -(-n // batch)
+    samplers = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    assert all(len(s) == expected for s in samplers)
+    epoch = list(zip(*samplers, strict=True))
+    assert len(epoch) == expected and all(s.epoch == 1 for s in samplers)
+    for slices in epoch:
+        assert sum(float(b.mask.sum()) for b in slices) > 0, "a global batch of padding only"
+
+
 def test_forgetting_set_epoch_does_not_repeat_the_order():
     s = DistributedSampler(50, global_batch_size=10, seed=3)
     first = np.concatenate([b.indices for b in s])

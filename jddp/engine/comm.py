@@ -1,4 +1,10 @@
-"""Lists the collectives of a compiled program from its optimised HLO text."""
+"""Lists the collectives of a step: as compiled (optimised HLO) and as the program asks for them (StableHLO).
+
+The two differ where the backend rewrites collectives: XLA combines the
+per-leaf all-reduces into one op and, on CPU, widens a bf16 all-reduce to f32.
+The lowered program shows what jddp asked for (the dtype on the wire where the
+backend keeps it); the compiled one shows what runs here.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +28,11 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented header
+_LOWERED_OP = re.compile(r'"stablehlo\.(all_reduce|reduce_scatter|all_gather|all_to_all|collective_permute)"')
+_SIGNATURE = re.compile(r":\s*\(([^()]*)\)\s*->")
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
+_MLIR_DTYPES = {"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32", "i64": "s64", "ui8": "u8", "ui16": "u16",
+                "ui32": "u32", "ui64": "u64"}  # fmt: skip
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
 
 MSG_CPU_BF16 = (
@@ -59,10 +70,20 @@ class CommReport:
 
     collectives: tuple[Collective, ...]
     notes: tuple[str, ...] = ()
+    lowered: tuple[Collective, ...] = ()
 
     @classmethod
-    def from_hlo(cls, hlo_text: str, *, reduce_dtype=None) -> CommReport:
-        """Parses optimised HLO (``compiled.as_text()``)."""
+    def from_hlo(cls, hlo_text: str, *, reduce_dtype=None, lowered_text: str | None = None) -> CommReport:
+        """Parses optimised HLO (``compiled.as_text()``) and, if given, the StableHLO it came from.
+
+        Args:
+          hlo_text: ``compiled.as_text()``: the collectives that run, in ``collectives``.
+          reduce_dtype: the engine's ``reduce_dtype``; a narrower dtype widened by
+            the backend adds a note.
+          lowered_text: ``lowered.as_text()``: the collectives the program asks
+            for, before the backend's passes, in ``lowered`` (``computation`` is
+            ``"lowered"``, ``in_loop`` False).
+        """
         computation, found, calls = "", [], {}
         for line in hlo_text.splitlines():
             m = _COMPUTATION.match(line)
@@ -81,11 +102,12 @@ class CommReport:
                 found.append((m.group(2), computation, operands, nbytes))
         looped = _loop_computations(hlo_text, calls)
         collectives = tuple(Collective(op, c, c in looped, ops, nb) for op, c, ops, nb in found)
+        lowered = _lowered_collectives(lowered_text) if lowered_text is not None else ()
         notes = ()
         if reduce_dtype is not None and np.dtype(reduce_dtype).itemsize < 4:
             if any(c.op.startswith("all-reduce") and "f32" in c.dtypes for c in collectives):
                 notes = (MSG_CPU_BF16,)
-        return cls(collectives, notes)
+        return cls(collectives, notes, lowered)
 
     def count(self, op: str = "all-reduce") -> int:
         """The number of ops named ``op`` (async ``-start`` forms included)."""
@@ -108,6 +130,28 @@ class CommReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _lowered_collectives(text: str) -> tuple[Collective, ...]:
+    """The collective ops of StableHLO text with their operand types (from each op's signature)."""
+    found, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        m = _LOWERED_OP.search(line)
+        if not m:
+            continue
+        signature = _SIGNATURE.search(line[m.end() :])
+        if signature is None:  # an op with a region (all_reduce): the signature follows the region's `})`
+            indent = len(line) - len(line.lstrip())
+            closing = next(
+                (x for x in lines[i + 1 :] if len(x) - len(x.lstrip()) == indent and x.lstrip().startswith("})")), ""
+            )
+            signature = _SIGNATURE.search(closing)
+        operands = []
+        for dims, dtype in _TENSOR.findall(signature.group(1) if signature else ""):
+            operands.append((_MLIR_DTYPES.get(dtype, dtype), tuple(int(d) for d in dims.split("x") if d)))
+        nbytes = sum(_DTYPE_BYTES.get(d, 4) * int(np.prod(shape, dtype=np.int64)) for d, shape in operands)
+        found.append(Collective(m.group(1).replace("_", "-"), "lowered", False, tuple(operands), nbytes))
+    return tuple(found)
 
 
 def _loop_computations(hlo_text: str, calls: dict[str, set[str]]) -> set[str]:

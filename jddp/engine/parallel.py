@@ -314,13 +314,16 @@ class DataParallel:
         return {**means, "examples": examples}
 
     def comm_report(self, state: state_lib.TrainState, batch: jt.Batch) -> comm.CommReport:
-        """The collectives of the compiled step: op, operands, dtype, bytes.
+        """The collectives of the compiled step (op, operands, dtype, bytes), and in ``lowered`` as asked for.
 
         Compiling for the report does not run the step or touch ``state``.
         """
         self._check_call(state, batch)
-        compiled = self._step.lower(*self._args(state, batch)).compile()
-        return comm.CommReport.from_hlo(compiled.as_text(), reduce_dtype=self.options.reduce_dtype)
+        lowered = self._step.lower(*self._args(state, batch))
+        hlo = lowered.compile().as_text()
+        if hlo is None:
+            raise RuntimeError("The backend gives no compiled HLO text, so the step's collectives cannot be listed.")
+        return comm.CommReport.from_hlo(hlo, reduce_dtype=self.options.reduce_dtype, lowered_text=lowered.as_text())
 
     def assert_replicas_identical(self, state: state_lib.TrainState) -> None:
         """Raises ``AssertionError`` naming the leaf and the device or process where replicas differ.
