@@ -111,15 +111,18 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
     if overrides:
         merged = _merge(schema, merged, OmegaConf.from_dotlist(overrides), source=COMMAND_LINE)
     try:
-        return OmegaConf.to_object(merged)
+        instance = OmegaConf.to_object(merged)
     except oc_errors.MissingMandatoryValue as error:
         key = error.full_key
+        assert key is not None  # OmegaConf raises it through format_and_raise, which always sets full_key
         raise ConfigError(
             f"Config key `{key}` has no value (expected {_expected(schema, key)}); set it in the YAML file "
             f"or on the {COMMAND_LINE} as `{key}=...`."
         ) from None
     except (ValueError, TypeError) as error:  # raised by the schema's own __post_init__
         raise ConfigError(f"{schema.__name__} rejected the config ({_sources(path, overrides)}): {error}") from None
+    assert isinstance(instance, schema)  # to_object instantiates the structured config's dataclass
+    return instance
 
 
 def to_yaml(config: Any) -> str:
@@ -175,7 +178,7 @@ def _load(path: str | os.PathLike) -> DictConfig:
 def _merge(schema: type, base: DictConfig, other: DictConfig, *, source: str) -> DictConfig:
     where = "on the command line" if source == COMMAND_LINE else f"in {source}"
     try:
-        return OmegaConf.merge(base, other)
+        merged = OmegaConf.merge(base, other)
     except oc_errors.ConfigKeyError as error:
         key = error.full_key or str(error.key)
         raise ConfigError(f"Unknown config key `{key}` {where}. {_suggest(schema, key)}") from None
@@ -186,6 +189,8 @@ def _merge(schema: type, base: DictConfig, other: DictConfig, *, source: str) ->
             f"Config key `{key}` {where} has a value of the wrong type: {key}={value!r} "
             f"({type(value).__name__}), expected {_expected(schema, key)}."
         ) from None
+    assert isinstance(merged, DictConfig)  # a mapping merged into a DictConfig stays a DictConfig
+    return merged
 
 
 def _first_bad_key(base: DictConfig, cfg: DictConfig) -> str:
@@ -243,7 +248,7 @@ def _expected(schema: type, key: str) -> str:
 def _suggest(schema: type, key: str) -> str:
     parent, _, name = key.rpartition(".")
     owner = _field_type(schema, parent) if parent else schema
-    if not dataclasses.is_dataclass(owner):
+    if not (isinstance(owner, type) and dataclasses.is_dataclass(owner)):  # a field's type, never an instance
         return f"`{parent}` has no keys."
     fields = [f.name for f in dataclasses.fields(owner)]
     close = difflib.get_close_matches(name, fields, n=1)

@@ -183,7 +183,7 @@ def _use_gloo_with_hostname(hostname: str) -> None:
 
     from jax._src import distributed as jax_distributed
     from jax._src import xla_bridge
-    from jax._src.lib import _jax
+    from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]  # no public API for gloo's hostname
 
     collectives = _jax.make_gloo_tcp_collectives(
         distributed_client=jax_distributed.global_state.client, hostname=hostname
@@ -237,6 +237,7 @@ def initialize(
     if _group is not None:
         return _group
     import jax
+    from jax._src import distributed as jax_distributed
     from jax._src import xla_bridge
 
     from jddp import runtime
@@ -262,6 +263,7 @@ def initialize(
             "or start the script with `jddp launch`."
         )
     if num_processes is not None:
+        assert coordinator is not None and process_id is not None  # checked above: a group gets all three
         if num_processes < 1:
             raise ValueError(f"num_processes={num_processes} ({ENV_NUM_PROCESSES}) must be at least 1.")
         if not 0 <= process_id < num_processes:
@@ -284,7 +286,7 @@ def initialize(
         )
     if local_devices is not None:
         runtime.simulate_cpu_devices(local_devices)
-    if jax.config.jax_platforms in (None, "", "cpu") or local_devices is not None:
+    if jax.config.jax_platforms in (None, "", "cpu") or local_devices is not None:  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
     heartbeat = int(peer_timeout_s + HEARTBEAT_MARGIN_S)
@@ -294,8 +296,9 @@ def initialize(
             heartbeat_timeout_seconds=heartbeat,
             shutdown_timeout_seconds=int(shutdown_timeout_s),
         )
-        coordinator = jax._src.distributed.global_state.coordinator_address
+        coordinator = jax_distributed.global_state.coordinator_address
     else:
+        assert coordinator is not None and process_id is not None  # checked above: a group gets all three
         deadline = time.monotonic() + init_timeout_s
         bind = bind_address or coordinator
         if process_id == 0:
@@ -311,10 +314,8 @@ def initialize(
             heartbeat_timeout_seconds=heartbeat,
             shutdown_timeout_seconds=int(shutdown_timeout_s),
         )
-        if jax.config.jax_cpu_collectives_implementation == "gloo":
+        if jax.config.jax_cpu_collectives_implementation == "gloo":  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
             _use_gloo_with_hostname(_own_address_toward(host, port))
-
-    from jax._src import distributed as jax_distributed
 
     _group = ProcessGroup(coordinator, jax.process_count(), jax.process_index(), peer_timeout_s)
     _watchdog = _Watchdog(jax_distributed.global_state.client, _group, shutdown_timeout_s)

@@ -303,9 +303,12 @@ class Launcher:
 
     # -- the run ------------------------------------------------------------
     def summary(self, first_failed: Worker | None) -> str:
-        lines = [f"process {w.process_id} (pid {w.popen.pid}): {exitcodes.describe(w.code)}" for w in self.workers]
+        def describe(code: int | None) -> str:  # None: it outlived SIGKILL and the 30 s wait after it
+            return "still running" if code is None else exitcodes.describe(code)
+
+        lines = [f"process {w.process_id} (pid {w.popen.pid}): {describe(w.code)}" for w in self.workers]
         if first_failed is not None:
-            lines.append(f"first failure: process {first_failed.process_id}, {exitcodes.describe(first_failed.code)}")
+            lines.append(f"first failure: process {first_failed.process_id}, {describe(first_failed.code)}")
         return "\n  ".join(["summary:", *lines])
 
     def run_once(self, attempt: int) -> tuple[str, Worker | None]:
@@ -323,12 +326,14 @@ class Launcher:
                 self.finish_output()
                 return "signal", None
             self.poll()
-            failed = [w for w in self.workers if w.code not in (None, 0, exitcodes.EXIT_PREEMPTED)]
+            failed = [
+                (w, w.code) for w in self.workers if w.code is not None and w.code not in (0, exitcodes.EXIT_PREEMPTED)
+            ]
             if failed:
                 # Of the processes found dead in the same round, a killed one is the likeliest cause,
                 # and one that lost a peer the least likely.
-                first_failed = min(failed, key=lambda w: (exitcodes.is_peer_failure(w.code), w.code >= 0))
-                what = exitcodes.describe(first_failed.code)
+                first_failed, code = min(failed, key=lambda wc: (exitcodes.is_peer_failure(wc[1]), wc[1] >= 0))
+                what = exitcodes.describe(code)
                 self.say(f"process {first_failed.process_id} {what}; stopping the others")
                 self.stop_all(self.args.kill_grace)
                 return "failed", first_failed
@@ -355,6 +360,7 @@ class Launcher:
                     if codes <= {0, exitcodes.EXIT_PREEMPTED}:
                         return exitcodes.EXIT_PREEMPTED if exitcodes.EXIT_PREEMPTED in codes else 0
                     self.say(self.summary(None))
+                    assert self.signal_received is not None  # run_once returns "signal" only once one arrived
                     return 128 + self.signal_received
                 if attempt < self.args.max_restarts and self.signal_received is None:
                     attempt += 1
@@ -362,6 +368,8 @@ class Launcher:
                     self.say(f"{self.summary(first_failed)}\nrestarting the group ({restarts})")
                     continue
                 self.say(f"{self.summary(first_failed)}\nno restart left (--max-restarts {self.args.max_restarts})")
+                # run_once returns "failed" with the worker that failed, whose exit code is set.
+                assert first_failed is not None and first_failed.code is not None
                 code = first_failed.code
                 return 128 - code if code < 0 else code
         finally:

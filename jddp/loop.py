@@ -181,7 +181,7 @@ class _Run:
         self.dp, self.loader, self.eval_loader, self.ckpt = dp, train_loader, eval_loader, checkpointer
         self.total, self.eval_every, self.log_every, self.progress = total, eval_every, log_every, progress
         self.main = jax.process_index() == 0
-        self.times = dict.fromkeys(TIMES, 0.0)
+        self.times: dict[str, float] = dict.fromkeys(TIMES, 0.0)
         self.history: list[dict] = []
         self.final_eval: dict[str, float] = {}
         self.last_eval_step = -1

@@ -45,7 +45,8 @@ def nnx_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     ``params`` are the ``nnx.Param`` variables; ``model_state`` everything else
     (BatchNorm statistics).
     """
-    return nnx.split(model, nnx.Param, ...)
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # two filters: exactly two states
+    return graphdef, params, model_state
 
 
 def nnx_loss(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch, Any], Any]) -> jt.LossFn:

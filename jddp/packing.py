@@ -162,12 +162,12 @@ class Transfer:
         self._put = None
         try:
             from jax._src import core
-            from jax._src.lib import xla_client
+            from jax._src.lib import xla_client  # pyright: ignore[reportPrivateImportUsage]  # private on purpose, see above
 
             self._put, self._aval = xla_client.batched_device_put, core.ShapedArray
         except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
             return
-        self._slices: dict[int, tuple[list, list[slice]]] = {}
+        self._slices: dict[int, tuple[list, list[slice]] | None] = {}
 
     def _plan(self, row_bytes: int) -> tuple[list, list[slice]] | None:
         """Addressable devices and their rows of the local block, or None if not one contiguous block."""
@@ -186,13 +186,14 @@ class Transfer:
         return self._slices[row_bytes]
 
     def __call__(self, data: np.ndarray) -> jax.Array:
-        plan = self._plan(data.shape[1]) if self._put is not None else None
+        put = self._put
+        plan = self._plan(data.shape[1]) if put is not None else None
         shape = (self.global_rows, data.shape[1])
-        if plan is None:
+        if plan is None or put is None:  # plan is None whenever put is
             if jax.process_count() == 1:
                 return jax.device_put(data, self.sharding)
             return jax.make_array_from_process_local_data(self.sharding, data, shape)
         devices, rows = plan
         if rows[-1].stop > len(data):
             raise ValueError(f"Expected {rows[-1].stop} local rows for the batch, got {len(data)}.")
-        return self._put(self._aval(shape, data.dtype), self.sharding, [data[r] for r in rows], devices, True)
+        return put(self._aval(shape, data.dtype), self.sharding, [data[r] for r in rows], devices, True)

@@ -69,7 +69,9 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def data_mesh(devices: list[jax.Device] | None = None) -> Mesh:
+def data_mesh(
+    devices: list[jax.Device] | None = None,  # pyright: ignore[reportInvalidTypeForm]  # jax.Device is public, but an alias variable
+) -> Mesh:
     """A 1-D mesh named ``"data"`` over every device of every process.
 
     The axis type is ``Auto``: jitted steps place host (NumPy) batches on the

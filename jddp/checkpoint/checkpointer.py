@@ -379,7 +379,7 @@ class Checkpointer:
     def _try_restore(self, step: int, meta: dict, state: TrainState, loader) -> tuple[Any, str | None]:
         target = _as_dict(state)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
-        items = {STATE: ocp.args.StandardRestore(abstract)}
+        items: dict[str, ocp.args.CheckpointArgs] = {STATE: ocp.args.StandardRestore(abstract)}
         has_loader = (self.directory / str(step) / LOADER).exists()
         if loader is not None and has_loader:
             items[LOADER] = ocp.args.JsonRestore()

@@ -31,7 +31,7 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
     Odd weights make any change of a single word change the first sum. A typed
     PRNG key is digested through its key data.
     """
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     if x.dtype.itemsize == 2:
         words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)

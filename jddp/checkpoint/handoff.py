@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -25,10 +26,10 @@ def one_copy_per_process(x: Any) -> Any:
         not isinstance(x, jax.Array)
         or not x.is_fully_replicated
         or len(x.sharding.device_set) == 1
-        or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+        or jnp.issubdtype(x.dtype, jax.dtypes.extended)
     ):
         return x
-    first: dict[int, jax.Device] = {}
+    first: dict[int, jax.Device] = {}  # pyright: ignore[reportInvalidTypeForm]  # jax.Device is public, but an alias variable
     for device in sorted(x.sharding.device_set, key=lambda d: d.id):
         first.setdefault(device.process_index, device)
     mine = first[jax.process_index()]
@@ -42,7 +43,7 @@ def on_cpu(tree) -> bool:
 
 def _host_view(x: jax.Array) -> np.ndarray:
     """A host view of a single-device array's buffer (on CPU: no copy); a typed PRNG key through its key data."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)  # shares the key array's buffer
     return np.asarray(x)
 
@@ -58,6 +59,8 @@ def pin(tree) -> list[np.ndarray]:
 
 
 @functools.lru_cache(maxsize=16)
-def _replicated_on(devices: tuple[jax.Device, ...]) -> jax.sharding.NamedSharding:
+def _replicated_on(
+    devices: tuple[jax.Device, ...],  # pyright: ignore[reportInvalidTypeForm]  # jax.Device is public, but an alias variable
+) -> jax.sharding.NamedSharding:
     mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -74,13 +74,15 @@ class _ReadBatch:
         if self.arrays is None:  # one batch per read
             data, layout = packing.pack(self.batch(first))
             return first, data[None], layout
+        layout = self.layout
+        assert layout is not None  # __init__ sets it whenever self.arrays is set
         indices, mask, _ = self.sampler.local_block(first, count)
         block = np.empty((count, indices.shape[1], self.row_bytes), np.uint8)
-        views = packing.host_views(block, self.layout)
+        views = packing.host_views(block, layout)
         for name, array in self.arrays.items():
             np.take(array, indices, axis=0, out=views[name], mode="clip")  # indices are valid; "clip" is unbuffered
         views["mask"][...] = mask
-        return first, block, self.layout
+        return first, block, layout
 
     def batch(self, position: int) -> Example:
         """This process's batch at ``position`` as a dict of arrays, transforms applied."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,8 @@ from jddp.engine import metrics as metrics_lib
 from jddp.engine import state as state_lib
 
 DATA = runtime.DATA_AXIS
+# The state the programs take and return, without the rng key: (step, params, opt_state, model_state).
+_Train: TypeAlias = tuple[jax.Array, jt.Params, jt.PyTree, jt.ModelState]
 
 MSG_LOSS_OUTPUT = (
     "`loss_fn` must return `(loss, (new_model_state, metrics))`, where `loss` is a "
@@ -379,7 +381,7 @@ class DataParallel:
 
     # --------------------------------------------------------- device code
 
-    def _local_step(self, train, rng, batch):
+    def _local_step(self, train: _Train, rng: jax.Array, batch):
         opts = self.options
         state = state_lib.TrainState(*train, rng)
         batch = _unpacked(batch)
@@ -477,7 +479,7 @@ class DataParallel:
         (grads, model_state, sums), _ = lax.scan(body, init, (micro, jnp.arange(k)))
         return grads, model_state, sums
 
-    def _local_eval(self, train, rng, batch):
+    def _local_eval(self, train: _Train, rng: jax.Array, batch):
         state = state_lib.TrainState(*train, rng)
         batch = _unpacked(batch)
         count = reduce.example_count(batch, _leading_size(batch))

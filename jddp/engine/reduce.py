@@ -73,9 +73,11 @@ def as_weighted(value, count: jax.Array, what: str) -> Weighted:
     """``value`` (a scalar mean or a ``Weighted``) as a float32 ``Weighted``."""
     if isinstance(value, Weighted):
         total, weight = jnp.asarray(value.total), jnp.asarray(value.weight)
+        checked = total
     else:
         total, weight = None, count
-    for name, x in (("value", value if total is None else total), ("weight", weight)):
+        checked = value
+    for name, x in (("value", checked), ("weight", weight)):
         shape = jnp.shape(x)
         if shape != ():
             raise ValueError(
