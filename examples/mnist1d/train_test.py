@@ -1,12 +1,17 @@
-"""A short MNIST-1D run per model: it learns, and the config is checked before any JAX work."""
+"""A short MNIST-1D run per model: it learns, 8 devices train like 1, and the config is checked before any JAX work."""
 
 import dataclasses
 import math
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from examples.mnist1d import train
 from jddp import config as config_lib
+from jddp import logs
+from tests import multiprocess
 
 CONFIGS = train.DEFAULT_CONFIG.parent
 
@@ -23,6 +28,35 @@ def test_trains_above_chance(model, tmp_path):
     assert result["train_loss"] < 0.8 * math.log(10)  # from about ln(10) at the start
     assert result["test_accuracy"] > 0.3  # chance is 0.1
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "config.yaml").exists()
+
+
+def run_example(devices: int, log_dir, *overrides: str) -> list[dict]:
+    """Runs the example in a fresh process on ``devices`` simulated devices; returns its train records."""
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.mnist1d.train", f"devices={devices}", f"log_dir={log_dir}", *overrides],
+        env=multiprocess.environment(),
+        cwd=multiprocess.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [r for r in logs.read_metrics(log_dir / "metrics.jsonl") if r.get("split") == "train"]
+
+
+@pytest.mark.slow
+def test_eight_devices_train_like_one(tmp_path):
+    """Step by step, 8 devices log the loss and the gradient norm of 1 device, to float32 round-off.
+
+    Tight enough that a gradient scaled by the device count fails (its norm is 8x), which AdamW's
+    scale invariance would hide from the loss alone.
+    """
+    overrides = ("epochs=2", "num_samples=1000", "global_batch_size=64", "hidden=64", "log_every=1", "progress=false")
+    one = run_example(1, tmp_path / "one", *overrides)
+    eight = run_example(8, tmp_path / "eight", *overrides)
+    assert [r["step"] for r in one] == [r["step"] for r in eight] == list(range(1, 2 * (800 // 64) + 1))
+    for key in ("loss", "grad_norm", "accuracy"):
+        np.testing.assert_allclose([r[key] for r in eight], [r[key] for r in one], rtol=2e-5, atol=1e-6, err_msg=key)
 
 
 def test_configs_load_and_overrides_are_checked():
