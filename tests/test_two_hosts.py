@@ -1,8 +1,7 @@
 """Two "hosts" on one machine: two network namespaces joined by a veth pair (10.231.0.0/24), one launcher in each.
 
-Needs root, ``unshare`` and ``ip``, and the test bed script ``../shared/tools/netns_testbed.sh``
-(it builds the namespaces); skipped otherwise. Everything runs inside
-``unshare --net --pid --mount --fork --kill-child``, so nothing outlives the test.
+``tools/netns_hosts.sh sandbox`` builds them inside ``unshare --net --pid --mount --fork --kill-child``,
+so nothing outlives the test, even if it is killed. Needs root, ``unshare`` and ``ip``; skipped otherwise.
 This is the case where gloo must be told its own address: the hostname maps to
 127.0.0.1 here, and without ``jddp.initialize``'s fix the peers connect to themselves.
 """
@@ -21,18 +20,20 @@ from tests import multiprocess
 
 pytestmark = pytest.mark.multiprocess
 
-TESTBED = multiprocess.ROOT.parent / "shared" / "tools" / "netns_testbed.sh"
-SCRIPT = """
-set -e
-mkdir -p /run/netns
-mount -t tmpfs netns-private /run/netns
-TMPDIR={tmp} NS_PREFIX=jddpt bash {testbed} setup > {tmp}/setup.log 2>&1
+HOSTS = multiprocess.ROOT / "tools" / "netns_hosts.sh"
+COORDINATOR = "10.231.0.1:29500"  # ADDR_A of the sandbox with NET_ID=0, port 29500
+# Runs inside the sandbox, which exports NETNS_A, NETNS_B and ADDR_A. Arguments: python, log folder, worker.
+LAUNCH = """
+python=$1 logs=$2; shift 2
 for rank in 0 1; do
-  ns=jddpt-a; [ $rank = 1 ] && ns=jddpt-b
-  ip netns exec $ns env PYTHONPATH={root} {python} -m jddp.launch -n 1 --devices-per-process 2 --max-restarts 1 \\
-    --peer-timeout 5 --nnodes 2 --node-rank $rank --coordinator 10.231.0.1:29500 {args} > {tmp}/host$rank.log 2>&1 &
+  ns=$NETNS_A; [ $rank = 1 ] && ns=$NETNS_B
+  ip netns exec "$ns" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts 1 --peer-timeout 5 \\
+    --nnodes 2 --node-rank $rank --coordinator "$ADDR_A:29500" "$@" > "$logs/host$rank.log" 2>&1 &
+  pids[$rank]=$!
 done
-wait
+wait "${pids[0]}"; a=$?; wait "${pids[1]}"; b=$?
+echo "launchers exited: host 0 with $a, host 1 with $b" >&2
+[ $a = 0 ] && [ $b = 0 ]
 """
 
 
@@ -40,16 +41,28 @@ def usable() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("ip") is not None
 
 
-@pytest.mark.skipif(not usable() or not TESTBED.exists(), reason="needs root, unshare, ip and the netns test bed")
+def two_hosts(tmp_path, *worker: str) -> tuple[str, str]:
+    """Runs ``worker`` under ``jddp.launch`` on both hosts; returns their logs, or fails showing the sandbox's."""
+    for rank in (0, 1):
+        (tmp_path / f"host{rank}.log").unlink(missing_ok=True)
+    command = ["bash", str(HOSTS), "sandbox", "bash", "-c", LAUNCH, "launch", sys.executable, str(tmp_path), *worker]
+    # A broken test bed fails at initialisation; 60 s (not 120) lets both attempts fail within the 300 s below.
+    env = multiprocess.environment(NS_PREFIX="jddpt", NET_ID="0", JDDP_INIT_TIMEOUT="60")
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        outcome, stderr = f"exit {done.returncode}", done.stderr
+    except subprocess.TimeoutExpired as e:
+        outcome, stderr = "timed out after 300 s", e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+    logs = [p.read_text() if p.exists() else "(no log)" for p in (tmp_path / f"host{r}.log" for r in (0, 1))]
+    if outcome != "exit 0":
+        pytest.fail(f"sandbox {outcome}:\n{stderr}\n--- host 0 ---\n{logs[0]}\n--- host 1 ---\n{logs[1]}")
+    return logs[0], logs[1]
+
+
+@pytest.mark.skipif(not usable(), reason="needs root, unshare and ip (iproute2) to build two network namespaces")
 def test_two_hosts_train_like_one_process_and_restart_together(tmp_path):
-    args = f"{multiprocess.WORKERS / 'train_mlp.py'} {tmp_path / 'hosts.npz'}"
-    script = SCRIPT.format(tmp=tmp_path, testbed=TESTBED, root=multiprocess.ROOT, python=sys.executable, args=args)
-    (tmp_path / "run.sh").write_text(script)
-    unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "bash"]
-    done = subprocess.run([*unshare, str(tmp_path / "run.sh")], capture_output=True, text=True, timeout=300)
-    logs = "\n".join((tmp_path / f"host{r}.log").read_text() for r in (0, 1) if (tmp_path / f"host{r}.log").exists())
-    assert done.returncode == 0, done.stderr + logs
-    assert "coordinator 10.231.0.1:29500" in logs and "processes=2" in logs, logs
+    host0, host1 = two_hosts(tmp_path, str(multiprocess.WORKERS / "train_mlp.py"), str(tmp_path / "hosts.npz"))
+    assert f"coordinator {COORDINATOR}" in host0 + host1 and "processes=2" in host0 + host1, host0 + host1
 
     reference = tmp_path / "one.npz"
     single = subprocess.run(
@@ -64,11 +77,6 @@ def test_two_hosts_train_like_one_process_and_restart_together(tmp_path):
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
 
     # A worker killed on host 1: both launchers restart (host 0's process sees its peer vanish) and finish.
-    args = f"{multiprocess.WORKERS / 'group.py'} die 1 40 1"
-    script = SCRIPT.format(tmp=tmp_path, testbed=TESTBED, root=multiprocess.ROOT, python=sys.executable, args=args)
-    (tmp_path / "run.sh").write_text(script)
-    done = subprocess.run([*unshare, str(tmp_path / "run.sh")], capture_output=True, text=True, timeout=300)
-    host0, host1 = ((tmp_path / f"host{r}.log").read_text() for r in (0, 1))
-    assert done.returncode == 0, done.stderr + host0 + host1
+    host0, host1 = two_hosts(tmp_path, str(multiprocess.WORKERS / "group.py"), "die", "1", "40", "1")
     assert "[0] DONE 0 attempt 1" in host0 and "[1] DONE 1 attempt 1" in host1, host0 + host1
-    assert "restarting the group (1 of 1)" in host0 and "restarting the group (1 of 1)" in host1
+    assert "restarting the group (1 of 1)" in host0 and "restarting the group (1 of 1)" in host1, host0 + host1
