@@ -340,25 +340,71 @@ def test_each_checkpoint_is_the_state_at_its_step_while_later_steps_donate(tmp_p
         shutil.rmtree(tmp_path / str(step))  # the next older one is the newest now
 
 
-@pytest.mark.parametrize("then", ["save", "wait", "close"])
-def test_an_error_in_the_background_write_surfaces_on_the_next_call(tmp_path, then):
-    _, state, _ = make(4)
-    ckpt = jddp.Checkpointer(tmp_path)
-
-    def failing_save(*args, **kwargs):
-        raise OSError("disk full (injected)")
-
-    ckpt._manager.save = failing_save
-    assert ckpt.save(state) == 0  # returns: the write fails in the background
-    with pytest.raises(OSError, match=r"disk full \(injected\)"):
-        if then == "save":
-            ckpt.save(dataclasses.replace(state, step=state.step + 1))
-        elif then == "wait":
-            ckpt.wait()
+DISK_FULL = """
+import os, shutil, sys, numpy as np, optax, jax, jax.numpy as jnp
+import jddp
+root = sys.argv[1]
+dp = jddp.DataParallel(lambda p, s, b, r: (jnp.mean(b["x"]) * jnp.sum(p["w"]), (s, {})), optax.sgd(0.1),
+                       mesh=jddp.data_mesh())
+w0 = np.random.default_rng(0).normal(size=(512, 512)).astype(np.float32)  # 1 MiB that does not compress
+x = {"x": np.ones((8, 2), np.float32)}
+for then in ("save", "wait", "close"):
+    directory = f"{root}/{then}"
+    state = dp.init({"w": w0})
+    ckpt = jddp.Checkpointer(directory)
+    ckpt.save(state, wait=True)  # step 0 fits
+    with open(f"{root}/filler", "wb") as f:
+        f.write(os.urandom(1 << 20))  # now the next step does not
+    state, _ = dp.step(state, x)
+    assert ckpt.save(state) == 1  # returns: step 1 fails in the background
+    try:
+        if then == "save":  # the next save raises if the write has failed by then, else the one after
+            for _ in range(2):
+                state, _ = dp.step(state, x)
+                ckpt.save(state)
         else:
-            ckpt.close()
-    ckpt.close()  # raised once; closing (again) is clean
-    assert ckpt.all_steps() == []
+            getattr(ckpt, then)()
+        print(then, "RAISED NOTHING")
+    except Exception as error:
+        print(then, "raised", type(error).__name__, "no space" in str(error).lower())
+    print(then, "published", ckpt.all_steps())
+    os.remove(f"{root}/filler")
+    if then == "close":
+        ckpt = jddp.Checkpointer(directory)
+    ckpt.save(state, wait=True)  # the retry writes the step
+    ckpt.close()
+    with jddp.Checkpointer(directory) as again:
+        restored = again.restore_or_init(dp.init({"w": np.zeros_like(w0)}))
+    same = np.array_equal(np.asarray(restored.params["w"]), np.asarray(state.params["w"]))
+    print(then, "restored step", int(restored.step), int(restored.step) == int(state.step) and same)
+    shutil.rmtree(directory)  # room for the next case
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a tmpfs")
+def test_a_disk_full_in_the_background_write_surfaces_once_and_a_retry_writes_the_step(tmp_path):
+    """A real fault: a 2.5 MiB tmpfs (in a private mount namespace) fills up while step 1 is written.
+
+    The error is raised by the next ``wait`` or ``close``, or by a later ``save`` (the next one if the
+    write has failed by then, else the one after: its hand-over waits for the failed write), and only
+    once; only step 0 is published; after space is freed, saving again writes the step.
+    """
+    (tmp_path / "full.py").write_text(DISK_FULL)
+    mount = f"mount -t tmpfs -o size=2500k jddp-full {tmp_path}/fs && exec {sys.executable} {tmp_path}/full.py {tmp_path}/fs"
+    (tmp_path / "fs").mkdir()
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "bash", "-c", mount],
+        env=multiprocess.environment(JDDP_LOCAL_DEVICES="4"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for then in ("save", "wait", "close"):
+        assert f"{then} raised ValueError True" in lines, done.stdout + done.stderr[-3000:]  # Orbax's ENOSPC
+        assert f"{then} published [0]" in lines, done.stdout
+        assert f"{then} restored step {3 if then == 'save' else 1} True" in lines, done.stdout
 
 
 def test_close_restores_sigterm_and_forgets_a_notice_it_acted_on(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import json
@@ -159,6 +160,8 @@ class Checkpointer:
             raise TypeError(f"`state` must be a jddp.TrainState, got {type(state).__name__}.")
         dispatch.DISPATCHER.drain()
         self._join()  # one save at a time, as Orbax keeps it
+        with self._write_errors():
+            self._manager.check_for_errors()  # a background write that has failed by now
         start = time.perf_counter()
         tree = _as_dict(state)
         step = int(jax.device_get(state.step))
@@ -215,10 +218,30 @@ class Checkpointer:
         self._manager.save(step, args=args, force=True)
 
     def _join(self) -> None:
-        """Waits until Orbax has taken the save handed to the writer thread; raises its error, if any."""
+        """Waits until Orbax has taken the save handed to the writer thread; raises its error, if any.
+
+        Orbax's ``save`` first waits for the previous write, so a write that failed
+        after its hand-over fails the next hand-over, and its error comes out here.
+        """
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            with self._write_errors():
+                pending.result()
+
+    @contextlib.contextmanager
+    def _write_errors(self):
+        """Around a call that may raise a failed write's error: the step is then not saved, and, alone, the
+        manager is opened afresh (Orbax keeps raising a failed write until its next save; opening cleans the
+        failed step's temporary directory), so that the error is raised once and a retry writes the step."""
+        try:
+            yield
+        except BaseException:
+            self._last_saved = None
+            if jax.process_count() == 1:
+                with contextlib.suppress(BaseException):
+                    self._manager.close()
+                self._manager = self._open()
+            raise
 
     def maybe_save(self, state: TrainState, loader=None) -> bool:
         """Call once per training step, on every process. Saves every ``save_every`` steps and on preemption.
@@ -253,16 +276,17 @@ class Checkpointer:
         return False
 
     def wait(self) -> None:
-        """Waits until every started save is published."""
+        """Waits until every started save is published; raises the error of a failed one."""
         self._join()
-        self._manager.wait_until_finished()
+        with self._write_errors():
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
 
     def close(self) -> None:
         """Waits for the last save and releases Orbax's resources (and SIGTERM, when the last one closes)."""
         self._preemption.close()
         try:
-            self._join()
-            self._manager.wait_until_finished()
+            self.wait()
         finally:
             self._manager.close()
             if self._writer is not None:
