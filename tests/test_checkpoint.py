@@ -390,7 +390,8 @@ def test_a_disk_full_in_the_background_write_surfaces_once_and_a_retry_writes_th
     once; only step 0 is published; after space is freed, saving again writes the step.
     """
     (tmp_path / "full.py").write_text(DISK_FULL)
-    mount = f"mount -t tmpfs -o size=2500k jddp-full {tmp_path}/fs && exec {sys.executable} {tmp_path}/full.py {tmp_path}/fs"
+    fs = tmp_path / "fs"
+    mount = f"mount -t tmpfs -o size=2500k jddp-full {fs} && exec {sys.executable} {tmp_path}/full.py {fs}"
     (tmp_path / "fs").mkdir()
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "bash", "-c", mount],
