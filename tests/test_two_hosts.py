@@ -27,7 +27,7 @@ LAUNCH = """
 python=$1 logs=$2; shift 2
 for rank in 0 1; do
   ns=$NETNS_A; [ $rank = 1 ] && ns=$NETNS_B
-  ip netns exec "$ns" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts 1 --peer-timeout 5 \\
+  ip netns exec "$ns" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts 1 --peer-timeout 10 \\
     --nnodes 2 --node-rank $rank --coordinator "$ADDR_A:29500" "$@" > "$logs/host$rank.log" 2>&1 &
   pids[$rank]=$!
 done
