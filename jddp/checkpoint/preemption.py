@@ -106,7 +106,7 @@ class Preemption:
         if self.last is not None and now > self.last[1]:
             per_step = (now - self.last[1]) / max(step - self.last[0], 1)
             interval = int(min(max(self.check_s / per_step, 1), self.MAX_INTERVAL))
-        dispatch.DISPATCHER.drain()  # no other program with collectives in flight (JAX_NOTES: deadlock)
+        dispatch.DISPATCHER.drain()  # no other program with collectives in flight (docs/jax_notes.md: deadlock)
         from jax.experimental import multihost_utils
 
         rows = np.asarray(multihost_utils.process_allgather(np.asarray([int(self.notice), interval], np.int32)))

@@ -1,7 +1,7 @@
 """Bounds the compiled programs in flight on simulated CPU devices.
 
 Two facts measured on XLA:CPU with several devices in one process (see
-JAX_NOTES.md and
+``docs/jax_notes.md`` and
 ``tests/test_engine.py::test_many_steps_in_flight_do_not_deadlock``):
 
 * two *different* programs with collectives dispatched back to back without
