@@ -59,7 +59,7 @@ import sys
 import threading
 import time
 
-from jddp import exitcodes
+from jddp import exitcodes, net
 
 ENV_COORDINATOR = "JDDP_COORDINATOR"
 ENV_NUM_PROCESSES = "JDDP_NUM_PROCESSES"
@@ -109,19 +109,6 @@ def _env_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"Environment variable {name}={raw!r} must be a number of seconds.") from None
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"coordinator={address!r} must be 'host:port' with a port from 1 to 65535, e.g. '127.0.0.1:29500'."
-        )
-    return host.strip("[]"), int(port)
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -271,7 +258,7 @@ def initialize(
                 f"process_id={process_id} ({ENV_PROCESS_ID}) must be in [0, num_processes={num_processes}) "
                 f"({ENV_NUM_PROCESSES}): process ids run from 0 to {num_processes - 1}."
             )
-        host, port = _split_address(coordinator)
+        host, port = net.split_address(coordinator)
 
     single = num_processes == 1 or (num_processes is None and not _cluster_detected())
     if single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
@@ -302,7 +289,7 @@ def initialize(
         deadline = time.monotonic() + init_timeout_s
         bind = bind_address or coordinator
         if process_id == 0:
-            _check_port_free(*_split_address(bind))
+            _check_port_free(*net.split_address(bind))
         else:
             _wait_reachable(host, port, deadline, process_id, num_processes)
         jax.distributed.initialize(

@@ -65,14 +65,13 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from jddp import exitcodes
+from jddp import exitcodes, net
 
 # gloo prints this from C++ threads without line buffering, so its pieces arrive whole, split, or inside a
 # line the script printed at the same moment: the pieces are cut out wherever they are.
@@ -144,9 +143,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.nnodes > 1 and args.coordinator is None:
         fail("--nnodes > 1 needs --coordinator HOST:PORT: an address of node 0 that every node can reach.")
     if args.coordinator is not None:
-        host, sep, port = args.coordinator.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            fail(f"--coordinator={args.coordinator!r} must be HOST:PORT, e.g. 127.0.0.1:29500.")
+        try:
+            net.split_address(args.coordinator, name="--coordinator")
+        except ValueError as error:
+            fail(str(error))
     if args.max_restarts < 0:
         fail(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
     for name in ("monitor_interval", "kill_grace", "term_timeout"):
@@ -156,13 +156,6 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         fail(f"--peer-timeout must be a positive number of seconds, got {args.peer_timeout}.")
     if not args.module and not os.path.exists(args.target):
         fail(f"script {args.target!r} does not exist (use -m to run a module).")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -236,7 +229,7 @@ class Launcher:
 
     def start(self, attempt: int) -> None:
         a = self.args
-        coordinator = a.coordinator or f"127.0.0.1:{free_port()}"
+        coordinator = a.coordinator or f"127.0.0.1:{net.free_port()}"
         self.workers = []
         for local_rank in range(a.nprocs):
             env = self.environment(local_rank, coordinator, attempt)

@@ -45,7 +45,7 @@ import jax
 
 from jddp import checkpoint as checkpoint_lib
 from jddp import config as config_lib
-from jddp import exitcodes, logs
+from jddp import exitcodes, logs, validate
 from jddp.data import loader as loader_lib
 from jddp.engine import parallel
 from jddp.engine import state as state_lib
@@ -124,9 +124,8 @@ def fit(
     """
     _check_args(dp, state, train_loader, eval_loader, checkpointer)
     total = _total_steps(epochs, steps, len(train_loader))
-    for name, value in (("eval_every", eval_every), ("log_every", log_every)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"`{name}` must be a positive int, got {name}={value!r}.")
+    validate.check_int("eval_every", eval_every, optional=True)
+    validate.check_int("log_every", log_every, optional=True)
     if eval_every is not None and eval_loader is None:
         raise ValueError(f"`eval_every={eval_every}` needs an `eval_loader`; pass one or drop `eval_every`.")
     config_text = config_lib.to_yaml(config) if config is not None else None
@@ -158,8 +157,7 @@ def _total_steps(epochs, steps, per_epoch: int) -> int:
     if (epochs is None) == (steps is None):
         raise ValueError(f"Pass exactly one of `epochs` or `steps`, got epochs={epochs!r}, steps={steps!r}.")
     name, value = ("epochs", epochs) if steps is None else ("steps", steps)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {name}={value!r}.")
+    validate.check_int(name, value)
     return value * per_epoch if name == "epochs" else value
 
 

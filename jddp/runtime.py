@@ -23,6 +23,8 @@ import jax
 from jax._src import xla_bridge
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jddp import validate
+
 DATA_AXIS = "data"
 
 MSG_BACKEND_STARTED = (
@@ -43,8 +45,7 @@ def simulate_cpu_devices(n: int) -> None:
       ValueError: if ``n`` is not a positive integer.
       RuntimeError: if the JAX backend is already running with another device count.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"`n` must be a positive int, got n={n!r}.")
+    validate.check_int("n", n)
     if xla_bridge.backends_are_initialized():
         have = jax.device_count()
         if have == n and jax.default_backend() == "cpu":

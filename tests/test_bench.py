@@ -48,12 +48,12 @@ def test_bench_figures_are_consistent(tmp_path, capsys):
     [
         ({"model": "rnn"}, r"`model` must be one of .* model='rnn'"),
         ({"devices": (2, 4)}, r"`devices` must include 1"),
-        ({"devices": (0, 1)}, r"`devices` must be positive ints, got devices=\(0, 1\)"),
-        ({"processes": ()}, r"`processes` must be positive ints"),
+        ({"devices": (0, 1)}, r"`devices` must be an int >= 1, got devices=0. Give a list"),
+        ({"processes": ()}, r"`processes` must be a non-empty list of ints >= 1, got processes=\(\)"),
         ({"devices": (1,), "processes": (2,)}, r"No process count in processes=\(2,\) divides"),
-        ({"steps": 0}, r"`steps` must be at least 1, got steps=0"),
-        ({"warmup": -1}, r"`warmup` must be at least 0"),
-        ({"repeats": 0}, r"`repeats` must be at least 1, got repeats=0"),
+        ({"steps": 0}, r"`steps` must be an int >= 1, got steps=0"),
+        ({"warmup": -1}, r"`warmup` must be an int >= 0, got warmup=-1"),
+        ({"repeats": 0}, r"`repeats` must be an int >= 1, got repeats=0"),
     ],
     ids=["model", "no-baseline", "zero-devices", "no-processes", "indivisible", "steps", "warmup", "repeats"],
 )

@@ -488,9 +488,9 @@ def test_run_fields_are_not_part_of_the_config_fingerprint(tmp_path):
 
 
 def test_bad_options_are_rejected(tmp_path):
-    with pytest.raises(ValueError, match=r"`save_every` must be a positive int or None, got 0"):
+    with pytest.raises(ValueError, match=r"`save_every` must be an int >= 1 or None, got save_every=0"):
         jddp.Checkpointer(tmp_path, save_every=0)
-    with pytest.raises(ValueError, match=r"`max_to_keep` must be a positive int or None, got -1"):
+    with pytest.raises(ValueError, match=r"`max_to_keep` must be an int >= 1 or None, got max_to_keep=-1"):
         jddp.Checkpointer(tmp_path, max_to_keep=-1)
     for bad in (-1, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ValueError, match=r"`preemption_check_s` must be a finite number >= 0, got "):

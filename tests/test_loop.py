@@ -134,10 +134,10 @@ def test_bad_arguments_are_rejected_before_anything_runs(tmp_path):
     cases = [
         (dict(), ValueError, r"Pass exactly one of `epochs` or `steps`, got epochs=None, steps=None"),
         (dict(epochs=1, steps=5), ValueError, r"exactly one of `epochs` or `steps`, got epochs=1, steps=5"),
-        (dict(steps=0), ValueError, r"`steps` must be a positive int, got steps=0"),
-        (dict(epochs=1.5), ValueError, r"`epochs` must be a positive int, got epochs=1.5"),
-        (dict(steps=2, eval_every=0, eval_loader=test), ValueError, r"`eval_every` must be a positive int"),
-        (dict(steps=2, log_every=True), ValueError, r"`log_every` must be a positive int, got log_every=True"),
+        (dict(steps=0), ValueError, r"`steps` must be an int >= 1, got steps=0"),
+        (dict(epochs=1.5), ValueError, r"`epochs` must be an int >= 1, got epochs=1.5"),
+        (dict(steps=2, eval_every=0, eval_loader=test), ValueError, r"`eval_every` must be an int >= 1 or None, got eval_every=0"),  # noqa: E501
+        (dict(steps=2, log_every=True), ValueError, r"`log_every` must be an int >= 1 or None, got log_every=True"),
         (dict(steps=2, eval_every=5), ValueError, r"`eval_every=5` needs an `eval_loader`"),
         (dict(steps=2, eval_loader=train), ValueError, r"`eval_loader` drops the last partial batch"),
         (dict(steps=2, checkpointer="ckpt"), TypeError, r"`checkpointer` must be a jddp.Checkpointer or None, got str"),

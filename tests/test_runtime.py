@@ -46,7 +46,7 @@ def test_simulate_after_backend_started_raises():
 
 @pytest.mark.parametrize("n", [0, -2, 1.5, True], ids=["zero", "negative", "float", "bool"])
 def test_simulate_rejects_bad_counts(n):
-    with pytest.raises(ValueError, match=r"`n` must be a positive int"):
+    with pytest.raises(ValueError, match=r"`n` must be an int >= 1, got n="):
         jddp.simulate_cpu_devices(n)
 
 

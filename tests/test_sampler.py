@@ -187,7 +187,7 @@ def test_local_block_must_stay_inside_one_epoch():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"dataset_size": 0, "global_batch_size": 4}, r"dataset_size=0: the dataset is empty"),
+        ({"dataset_size": 0, "global_batch_size": 4}, r"dataset_size=0. The dataset is empty"),
         ({"dataset_size": 10, "global_batch_size": 6, "num_replicas": 4}, r"global_batch_size=6, num_replicas=4"),
         ({"dataset_size": 3, "global_batch_size": 4}, r"dataset_size=3, global_batch_size=4.*drop_last=False"),
         ({"dataset_size": 10, "global_batch_size": 4, "num_replicas": 2, "rank": 2}, r"rank=2, num_replicas=2"),

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jddp import exitcodes
+from jddp import exitcodes, validate
 from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, preemption
 from jddp.engine import dispatch
@@ -76,12 +76,8 @@ class Checkpointer:
         timeout_s: int = 600,
         preemption_check_s: float = 1.0,
     ) -> None:
-        if save_every is not None and (
-            isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
-        ):
-            raise ValueError(f"`save_every` must be a positive int or None, got {save_every!r}.")
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"`max_to_keep` must be a positive int or None, got {max_to_keep!r}.")
+        validate.check_int("save_every", save_every, optional=True)
+        validate.check_int("max_to_keep", max_to_keep, optional=True)
         if (
             isinstance(preemption_check_s, bool)
             or not isinstance(preemption_check_s, int | float)

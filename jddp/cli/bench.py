@@ -49,6 +49,8 @@ import tempfile
 import time
 from typing import Any
 
+from jddp import validate
+
 MODELS = ("mlp", "cnn")
 FEATURES, CLASSES = 40, 10
 HIDDEN = 256
@@ -75,15 +77,15 @@ class BenchConfig:
             raise ValueError(f"`model` must be one of {MODELS}, got model={self.model!r}.")
         for name in ("devices", "processes"):
             values = getattr(self, name)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"`{name}` must be positive ints, got {name}={values!r}; e.g. --{name} 1,2.")
+            if not values:
+                raise ValueError(f"`{name}` must be a non-empty list of ints >= 1, got {name}={values!r}.")
+            for v in values:
+                validate.check_int(name, v, fix=f"Give a list such as --{name} 1,2.")
         if 1 not in self.devices:
             raise ValueError(f"`devices` must include 1, the baseline of speedup, got devices={self.devices!r}.")
         for name in ("batch_per_device", "steps", "rounds", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be at least 1, got {name}={getattr(self, name)!r}.")
-        if self.warmup < 0:
-            raise ValueError(f"`warmup` must be at least 0, got warmup={self.warmup!r}.")
+            validate.check_int(name, getattr(self, name))
+        validate.check_int("warmup", self.warmup, minimum=0)
         if not any(d % p == 0 for p in self.processes for d in self.devices):
             raise ValueError(
                 f"No process count in processes={self.processes!r} divides a device count in "

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jddp import packing, runtime
+from jddp import packing, runtime, validate
 from jddp.data import sampler as sampler_lib
 
 Example = dict[str, np.ndarray]
@@ -251,9 +251,8 @@ class DataLoader:
                 f"devices), got global_batch_size={global_batch_size}, processes={jax.process_count()}, "
                 f"devices={devices}. Use a multiple of {devices}."
             )
-        for name, value in (("worker_count", worker_count), ("prefetch", prefetch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be an int >= 0, got {name}={value!r}.")
+        validate.check_int("worker_count", worker_count, minimum=0)
+        validate.check_int("prefetch", prefetch, minimum=0)
         self.sampler = sampler_lib.DistributedSampler(
             size,
             global_batch_size=global_batch_size,

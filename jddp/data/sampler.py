@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from jddp import validate
+
 STATE_KEYS = ("position", "epoch", "seed", "dataset_size", "global_batch_size", "shuffle", "drop_last")
 
 
@@ -229,5 +231,4 @@ class DistributedSampler:
 
 
 def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {name}={value!r}: {fix}.")
+    validate.check_int(name, value, minimum=minimum, fix=fix[:1].upper() + fix[1:] + ".")

@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp import packing, runtime
+from jddp import packing, runtime, validate
 from jddp import typing as jt
 from jddp.engine import comm, dispatch, fused, reduce, replicas
 from jddp.engine import metrics as metrics_lib
@@ -56,9 +56,7 @@ class _Options:
     fuse_allreduce: bool | None
 
     def __post_init__(self):
-        k = self.accumulate_steps
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"`accumulate_steps` must be an int >= 1, got accumulate_steps={k!r}.")
+        validate.check_int("accumulate_steps", self.accumulate_steps)
         if self.reduce_dtype is not None and not jnp.issubdtype(self.reduce_dtype, jnp.floating):
             raise ValueError(
                 f"`reduce_dtype` must be a float dtype such as jnp.bfloat16 or None, "
@@ -69,9 +67,7 @@ class _Options:
             raise ValueError(f"`clip_grad_norm` must be a positive number or None, got clip_grad_norm={c!r}.")
         if self.nonfinite not in ("skip", "raise", "ignore"):
             raise ValueError(f"`nonfinite` must be 'skip', 'raise' or 'ignore', got nonfinite={self.nonfinite!r}.")
-        m = self.max_inflight
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"`max_inflight` must be an int >= 1, got max_inflight={m!r}.")
+        validate.check_int("max_inflight", self.max_inflight)
         if self.fuse_allreduce is not None and not isinstance(self.fuse_allreduce, bool):
             raise ValueError(
                 f"`fuse_allreduce` must be True, False or None (automatic), got fuse_allreduce={self.fuse_allreduce!r}."
