@@ -136,7 +136,11 @@ def test_bad_arguments_are_rejected_before_anything_runs(tmp_path):
         (dict(epochs=1, steps=5), ValueError, r"exactly one of `epochs` or `steps`, got epochs=1, steps=5"),
         (dict(steps=0), ValueError, r"`steps` must be an int >= 1, got steps=0"),
         (dict(epochs=1.5), ValueError, r"`epochs` must be an int >= 1, got epochs=1.5"),
-        (dict(steps=2, eval_every=0, eval_loader=test), ValueError, r"`eval_every` must be an int >= 1 or None, got eval_every=0"),  # noqa: E501
+        (
+            dict(steps=2, eval_every=0, eval_loader=test),
+            ValueError,
+            r"`eval_every` must be an int >= 1 or None, got eval_every=0",
+        ),
         (dict(steps=2, log_every=True), ValueError, r"`log_every` must be an int >= 1 or None, got log_every=True"),
         (dict(steps=2, eval_every=5), ValueError, r"`eval_every=5` needs an `eval_loader`"),
         (dict(steps=2, eval_loader=train), ValueError, r"`eval_loader` drops the last partial batch"),
