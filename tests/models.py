@@ -31,6 +31,14 @@ class Model:
     ref_loss_fn: Callable
     params: Any
     model_state: Any
+    pmap_loss_fn: Callable | None = None  # the loss for `pmap_sgd` when it must not use jddp's adapter
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute difference between two pytrees of arrays; NaN if either holds a NaN."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    diffs = [np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0) for x, y in pairs]
+    return float(np.max(diffs, initial=0.0))
 
 
 def batch(n: int, seed: int = 0, mask: np.ndarray | None = None) -> dict:
@@ -76,14 +84,23 @@ class LinenMLP(nn.Module):
 
 
 def linen() -> Model:
+    """jddp's Linen adapter, against references written with Flax's own ``apply`` (not the adapter)."""
     variables = LinenMLP().init(jax.random.key(2), np.zeros((1, IN), np.float32))
     params, model_state = models.linen_split(variables)
 
     def fn(apply, batch, rng):
         return classification(apply(batch["x"]), batch)
 
+    def flax_loss(module):
+        def loss_fn(params, model_state, batch, rng):
+            logits, new_state = module.apply({"params": params, **model_state}, batch["x"], mutable=["batch_stats"])
+            loss, metrics = classification(logits, batch)
+            return loss, (dict(new_state), metrics)
+
+        return loss_fn
+
     loss_fn = models.linen_loss(LinenMLP(axis_name=jddp.DATA_AXIS), fn)
-    return Model(loss_fn, models.linen_loss(LinenMLP(), fn), params, model_state)
+    return Model(loss_fn, flax_loss(LinenMLP()), params, model_state, flax_loss(LinenMLP(axis_name=jddp.DATA_AXIS)))
 
 
 class NNXMLP(nnx.Module):
@@ -128,7 +145,7 @@ def pmap_sgd(model: Model, batches: list[dict], lr: float, n: int):
     """The classic ``jax.pmap`` formulation: per-device grads, ``pmean``, SGD."""
 
     def step(params, model_state, batch):
-        grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+        grad_fn = jax.value_and_grad(model.pmap_loss_fn or model.loss_fn, has_aux=True)
         (_, (model_state, _)), grads = grad_fn(params, model_state, batch, jax.random.key(0))
         grads = jax.lax.pmean(grads, jddp.DATA_AXIS)
         return jax.tree.map(lambda p, g: p - lr * g, params, grads), model_state
