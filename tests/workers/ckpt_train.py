@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import jddp
 
@@ -28,6 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+
+from jddp.checkpoint import preemption  # noqa: E402
 
 out, steps = sys.argv[1], int(sys.argv[2])
 kills = [int(k) for k in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else []
@@ -85,7 +86,9 @@ while step < steps:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == term_at and jax.process_index() == killer and attempt == 0:
             os.kill(os.getppid() if term_to == "launcher" else os.getpid(), signal.SIGTERM)
-            time.sleep(float(os.environ.get("TERM_PAUSE", "0")))
+            # Until this process's own handler saw it (forwarded by the launcher, or sent to itself): no race.
+            if not preemption._SIGTERM.wait(120):
+                raise SystemExit("SIGTERM never reached this process")
         try:
             ckpt.maybe_save(state, loader)
         except SystemExit as stop:
