@@ -121,6 +121,12 @@ def forward(model, batch):
     return model(batch["tokens"][:, :-1].astype("int32"))
 
 
+def eval_metrics(model, batch) -> dict:
+    """``eval_fn`` body for ``jddp.models.nnx_eval``: per-byte loss and accuracy."""
+    loss, metrics = language_model_metrics(forward(model, batch), batch)
+    return {"loss": loss, **metrics}
+
+
 def main(config: Config) -> dict[str, float]:
     """Trains and returns the final metrics (steps, train loss, test loss, perplexity, bits per byte, timings)."""
     import jddp
@@ -133,10 +139,6 @@ def main(config: Config) -> dict[str, float]:
     root = pathlib.Path(config.corpus_dir) if config.corpus_dir else None
     corpus = data_lib.load(config.seq_len, test_modulus=config.test_modulus, root=root)
     graphdef, params, model_state = make_model(config)
-
-    def eval_metrics(model, batch):
-        loss, metrics = language_model_metrics(forward(model, batch), batch)
-        return {"loss": loss, **metrics}
 
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps, config.steps)
     dp = jddp.DataParallel(

@@ -32,8 +32,42 @@ def test_trains_on_a_small_corpus(tmp_path):
     result = train.main(config)
     assert result["steps"] == 40
     assert result["train_loss"] < 0.5 * math.log(256)  # from ln(256) = 5.5 at the start, in float32
-    assert result["test_perplexity"] == pytest.approx(math.exp(result["test_loss"]))
     assert result["test_perplexity"] < 8  # uniform over bytes is 256
+
+
+def test_evaluation_is_the_exact_mean_over_every_test_byte(tmp_path):
+    """jddp's evaluation of the LM (8 devices, padded last batch, windows with few real bytes) equals one
+    device's mean over every real target byte of the test set, computed in NumPy from the logits."""
+    import jax
+    import optax
+
+    import jddp
+    from jddp import models
+
+    _corpus(tmp_path)
+    config = train.Config(seq_len=32, d_model=32, heads=4, layers=1, compute_dtype="float32")
+    test = data.load(config.seq_len, root=tmp_path)["test"]
+    weights = test["weights"]
+    assert len(set(weights.sum(1).tolist())) > 1  # windows differ in their real bytes: a mean of means is wrong
+    graphdef, params, model_state = train.make_model(config)
+    dp = jddp.DataParallel(
+        lambda *a: None, optax.sgd(0.0), mesh=jddp.data_mesh(), eval_fn=models.nnx_eval(graphdef, train.eval_metrics)
+    )
+    loader = jddp.data.DataLoader(test, global_batch_size=24, shuffle=False, drop_last=False)
+    assert len(test["tokens"]) % 24  # the last batch is padded
+    got = dp.evaluate(dp.init(params, model_state), loader)
+
+    from flax import nnx
+
+    logits = np.asarray(jax.jit(train.forward)(nnx.merge(graphdef, params, model_state), test), np.float64)
+    targets = test["tokens"][:, 1:].astype(np.int64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    correct = logits.argmax(-1) == targets
+    assert got["examples"] == len(test["tokens"])
+    assert got["loss"] == pytest.approx(float((nll * weights).sum() / weights.sum()), rel=1e-5)
+    assert got["accuracy"] == pytest.approx(float((correct * weights).sum() / weights.sum()), abs=1e-6)
 
 
 def test_windows_predict_each_byte_once():
