@@ -20,9 +20,9 @@ _EXPORTS = {
     "process_index": "jddp.runtime",
     "replicated": "jddp.runtime",
     "simulate_cpu_devices": "jddp.runtime",
-    "initialize": "jddp.distributed",
-    "barrier": "jddp.distributed",
-    "ProcessGroup": "jddp.distributed",
+    "initialize": "jddp.runtime.distributed",
+    "barrier": "jddp.runtime.distributed",
+    "ProcessGroup": "jddp.runtime.distributed",
     "EXIT_PEER_LOST": "jddp.exitcodes",
     "EXIT_PREEMPTED": "jddp.exitcodes",
     "CommReport": "jddp.engine.comm",
@@ -30,7 +30,7 @@ _EXPORTS = {
     "NonFiniteError": "jddp.engine.parallel",
     "Weighted": "jddp.engine.reduce",
     "masked_mean": "jddp.engine.reduce",
-    "TrainState": "jddp.engine.state",
+    "TrainState": "jddp.runtime.state",
     "Checkpointer": "jddp.checkpoint",
     "CheckpointWarning": "jddp.checkpoint",
     "fit": "jddp.loop",
@@ -88,11 +88,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from jddp import config, data, models
     from jddp.checkpoint import Checkpointer, CheckpointWarning
-    from jddp.distributed import ProcessGroup, barrier, initialize
     from jddp.engine.comm import CommReport
     from jddp.engine.parallel import DataParallel, NonFiniteError
     from jddp.engine.reduce import Weighted, masked_mean
-    from jddp.engine.state import TrainState
     from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
     from jddp.loop import FitResult, fit
     from jddp.runtime import (
@@ -105,3 +103,5 @@ if TYPE_CHECKING:
         replicated,
         simulate_cpu_devices,
     )
+    from jddp.runtime.distributed import ProcessGroup, barrier, initialize
+    from jddp.runtime.state import TrainState

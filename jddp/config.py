@@ -38,7 +38,9 @@ COMMAND_LINE = "command line"
 FILE_KEY = "config"  # `config=FILE` on the command line names the YAML file
 
 
-FINGERPRINT = "fingerprint"  # dataclass field metadata key; False: not part of the config fingerprint
+FINGERPRINT = (
+    "fingerprint"  # field metadata key that jddp.checkpoint reads (digest.FINGERPRINT); False: not fingerprinted
+)
 
 
 def run_field(default: Any) -> Any:

@@ -48,7 +48,7 @@ from jddp import config as config_lib
 from jddp import exitcodes, logs, validate
 from jddp.data import loader as loader_lib
 from jddp.engine import parallel
-from jddp.engine import state as state_lib
+from jddp.runtime import state as state_lib
 
 CONFIG_FILE = "config.yaml"
 TIMES = ("compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jddp
-from jddp.engine import dispatch
+from jddp.runtime import dispatch
 from tests import models
 
 N = 8

@@ -21,8 +21,8 @@ import orbax.checkpoint as ocp
 from jddp import exitcodes, validate
 from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, preemption
-from jddp.engine import dispatch
-from jddp.engine.state import TrainState
+from jddp.runtime import dispatch
+from jddp.runtime.state import TrainState
 
 STATE, LOADER, META = "state", "loader", "meta"
 DAMAGED_SUFFIX = ".damaged"
@@ -438,7 +438,7 @@ class Checkpointer:
             if source.exists():
                 shutil.move(source, target)
         if jax.process_count() > 1:
-            from jddp import distributed
+            from jddp.runtime import distributed
 
             distributed.barrier(f"checkpoint-set-aside-{step}", timeout_s=120)
         self._manager = self._open()

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jddp import config as config_lib
+# Dataclass field metadata key: a field with ``metadata={FINGERPRINT: False}`` (``jddp.config.run_field``) is left
+# out of the config fingerprint, so that run settings (devices, log and checkpoint paths) may change on resume.
+FINGERPRINT = "fingerprint"
 
 
 def _leaf_digest(x: jax.Array) -> jax.Array:
@@ -106,7 +108,7 @@ def _fingerprinted(value: Any) -> Any:
         return {
             f.name: _fingerprinted(getattr(value, f.name))
             for f in dataclasses.fields(value)
-            if f.metadata.get(config_lib.FINGERPRINT, True)
+            if f.metadata.get(FINGERPRINT, True)
         }
     if isinstance(value, list | tuple):
         return [_fingerprinted(v) for v in value]

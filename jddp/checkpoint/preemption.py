@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from jddp.engine import dispatch
+from jddp.runtime import dispatch
 
 
 def all_agree(flag: bool) -> bool:

@@ -1,6 +1,35 @@
-"""Data: a world-size-invariant sampler and a Grain loader of global batches."""
+"""Data: a world-size-invariant sampler and a Grain loader of global batches.
 
-from jddp.data.loader import DataLoader
-from jddp.data.sampler import DistributedSampler, LocalBatch
+Names load on first use, so that importing the sampler (NumPy only) through this
+package does not pull in JAX and Grain.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "DataLoader": "jddp.data.loader",
+    "DistributedSampler": "jddp.data.sampler",
+    "LocalBatch": "jddp.data.sampler",
+}
 
 __all__ = ["DataLoader", "DistributedSampler", "LocalBatch"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jddp.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from jddp.data.loader import DataLoader
+    from jddp.data.sampler import DistributedSampler, LocalBatch

@@ -23,8 +23,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jddp import packing, runtime, validate
+from jddp import runtime, validate
 from jddp.data import sampler as sampler_lib
+from jddp.runtime import packing
 
 Example = dict[str, np.ndarray]
 Transform = Callable[[Example, np.random.Generator], Example]
@@ -50,7 +51,7 @@ class _ReadBatch:
     ``uint8[count, local_batch_size, row_bytes]`` holding the batches at
     positions ``first, ..., first + count - 1`` (``count`` up to
     ``batches_per_read``, never past the end of ``first``'s epoch), packed as
-    ``jddp.packing`` describes. A dict of arrays without a per-example
+    ``jddp.runtime.packing`` describes. A dict of arrays without a per-example
     transform takes the fast path: the sampler computes all ``count`` slices at
     once and NumPy gathers each array straight into its place in the block.
     """
@@ -188,7 +189,7 @@ class DataLoader:
     in worker processes if asked, and prefetches; each yielded batch is a
     mapping of the source's keys plus ``"mask"`` (0 for padding) to global
     arrays with leading axis of size ``global_batch_size``, sharded over
-    ``"data"``: a ``jddp.packing.PackedBatch``, one byte array on the devices
+    ``"data"``: a ``jddp.runtime.packing.PackedBatch``, one byte array on the devices
     that ``DataParallel`` unpacks inside its step.
 
     Iterating gives the batches from the current position to the end of its
@@ -368,7 +369,7 @@ class DataLoader:
         """This process's rows as one global batch sharded over ``"data"``.
 
         The arrays travel packed into one byte array (one buffer per device
-        instead of one per array and device; see ``jddp.packing``).
+        instead of one per array and device; see ``jddp.runtime.packing``).
         """
         data, layout = packing.pack(local)
         return packing.PackedBatch(self._transfer(data), layout)

@@ -3,6 +3,6 @@
 from jddp.engine.comm import CommReport
 from jddp.engine.parallel import DataParallel, NonFiniteError
 from jddp.engine.reduce import Weighted, masked_mean
-from jddp.engine.state import TrainState
+from jddp.runtime.state import TrainState
 
 __all__ = ["CommReport", "DataParallel", "NonFiniteError", "TrainState", "Weighted", "masked_mean"]

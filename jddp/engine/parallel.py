@@ -15,11 +15,12 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp import packing, runtime, validate
+from jddp import runtime, validate
 from jddp import typing as jt
-from jddp.engine import comm, dispatch, fused, reduce, replicas
+from jddp.engine import comm, fused, reduce, replicas
 from jddp.engine import metrics as metrics_lib
-from jddp.engine import state as state_lib
+from jddp.runtime import dispatch, packing
+from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
 # The state the programs take and return, without the rng key: (step, params, opt_state, model_state).
@@ -106,7 +107,7 @@ class DataParallel:
       eval_fn: ``eval_fn(params, model_state, batch) -> metrics`` for
         ``eval_step``; ``None`` reports ``loss_fn``'s loss and metrics.
       max_inflight: steps dispatched ahead of the host (see
-        ``jddp.engine.dispatch``).
+        ``jddp.runtime.dispatch``).
       fuse_allreduce: sum the gradients and every other reduced value as one
         flat buffer per dtype (``jddp.engine.fused``; leaves over 1 MiB stay
         buffers of their own) instead of one buffer per leaf; ``None`` does so

@@ -227,7 +227,7 @@ def initialize(
     from jax._src import distributed as jax_distributed
     from jax._src import xla_bridge
 
-    from jddp import runtime
+    from jddp.runtime import mesh
 
     coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
@@ -263,7 +263,7 @@ def initialize(
     single = num_processes == 1 or (num_processes is None and not _cluster_detected())
     if single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
         if local_devices is not None:
-            runtime.simulate_cpu_devices(local_devices)
+            mesh.simulate_cpu_devices(local_devices)
         return None
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
@@ -272,7 +272,7 @@ def initialize(
             "calling jax.devices() or jitting anything."
         )
     if local_devices is not None:
-        runtime.simulate_cpu_devices(local_devices)
+        mesh.simulate_cpu_devices(local_devices)
     if jax.config.jax_platforms in (None, "", "cpu") or local_devices is not None:  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 

@@ -1,0 +1,113 @@
+"""The layers of DESIGN.md hold: each module imports only its own layer and the ones below it.
+
+Read from the source (every ``import`` statement, also those inside functions), so a lazy import
+cannot hide an arrow that runs back up; and checked in fresh processes for the modules that must
+not pull JAX in.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import multiprocess
+
+PACKAGE = multiprocess.ROOT / "jddp"
+
+# Layer of each module, by the longest matching prefix; and what each layer may import.
+BOTTOM = ("jddp._version", "jddp.typing", "jddp.exitcodes", "jddp.validate", "jddp.net", "jddp.config")
+LAYERS = {
+    **{name: "bottom" for name in BOTTOM},
+    "jddp.runtime": "runtime",
+    "jddp.engine": "engine",
+    "jddp.data": "data",
+    "jddp.checkpoint": "checkpoint",
+    "jddp.models": "models",
+    "jddp.logs": "fit",
+    "jddp.loop": "fit",
+    "jddp.cli": "cli",
+    "jddp.launch": "cli",
+    "jddp": "package",  # jddp/__init__.py: lazy re-exports of every layer
+}
+MAY_IMPORT = {
+    "bottom": {"bottom"},
+    "runtime": {"bottom", "runtime"},
+    "engine": {"bottom", "runtime", "engine"},
+    "data": {"bottom", "runtime", "data"},
+    "checkpoint": {"bottom", "runtime", "checkpoint"},
+    "models": {"bottom", "runtime", "engine", "models"},
+    "fit": {"bottom", "runtime", "engine", "data", "checkpoint", "fit"},
+    "cli": set(LAYERS.values()),  # the top: `jddp bench` trains; the launcher itself imports no JAX (below)
+    "package": set(LAYERS.values()),
+}
+
+
+def layer(module: str) -> str:
+    matches = [prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")]
+    return LAYERS[max(matches, key=len)]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(multiprocess.ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def jddp_imports(path: Path) -> set[str]:
+    """The jddp modules ``path`` imports (``from jddp.x import y`` counts as ``jddp.x.y`` when y is a module)."""
+    found = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "jddp"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], base]).strip(".")
+            if base.split(".")[0] != "jddp":
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                is_module = (PACKAGE.parent / Path(*candidate.split("."))).with_suffix(".py").exists() or (
+                    PACKAGE.parent / Path(*candidate.split(".")) / "__init__.py"
+                ).exists()
+                found.add(candidate if is_module else base)
+    return found
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = module_name(path)
+        for imported in sorted(jddp_imports(path)):
+            if layer(imported) not in MAY_IMPORT[layer(me)]:
+                wrong.append(f"{me} ({layer(me)}) imports {imported} ({layer(imported)})")
+    assert not wrong, "arrows that break the layers:\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_sees_a_wrong_arrow(tmp_path):
+    """The check itself: an engine module that imports the checkpoint layer is found."""
+    bad = PACKAGE / "engine" / "_layer_probe.py"
+    bad.write_text("def f():\n    from jddp.checkpoint import digest\n")
+    try:
+        with pytest.raises(AssertionError, match=r"jddp.engine._layer_probe \(engine\) imports jddp.checkpoint.digest"):
+            test_every_module_imports_only_its_layer_and_those_below()
+    finally:
+        bad.unlink()
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["jddp", "jddp.launch", "jddp.cli.main", "jddp.data", "jddp.data.sampler", "jddp.config", "jddp.net"],
+)
+def test_launcher_sampler_and_config_import_no_jax(module):
+    code = f"import sys, {module}; print(sorted(m for m in ('jax', 'jaxlib', 'flax', 'orbax') if m in sys.modules))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=multiprocess.environment(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing {module} pulled in {done.stdout.strip()}"
