@@ -127,3 +127,15 @@ def test_bad_rng(setup):
     model, dp = setup
     with pytest.raises(TypeError, match=r"`rng` must be a JAX PRNG key or an int seed, got str"):
         dp.init(model.params, rng="seed")
+
+
+def test_model_state_that_differs_across_devices_and_cannot_be_averaged_is_named_by_path():
+    def loss_fn(params, model_state, batch, rng):
+        seen = {"counts": {"rows": (batch["x"][0] > 0).astype(jnp.int32)}, "mean": jnp.mean(batch["x"])}
+        return jnp.mean(batch["x"] * params["w"]), (seen, {})
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+    state = dp.init({"w": np.float32(1)}, {"counts": {"rows": np.int32(0)}, "mean": np.float32(0)})
+    with pytest.raises(ValueError, match=r"Model state leaf model_state\['counts'\]\['rows'\] \(dtype=int32\) differs"):
+        dp.step(state, {"x": np.arange(16, dtype=np.float32) - 8})
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))

@@ -76,7 +76,7 @@ def test_init_names_the_process_whose_state_differs():
 
 def test_launcher_prefixes_output_filters_gloo_and_propagates_the_exit_code():
     code = (
-        "import sys, jddp.launch as launch\n"
+        "import sys, jddp.cli.launch as launch\n"
         "rc = launch.main(sys.argv[1:])\n"
         "assert 'jax' not in sys.modules, 'the launcher imported JAX'\n"
         "sys.exit(rc)\n"

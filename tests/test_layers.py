@@ -111,3 +111,12 @@ def test_launcher_sampler_and_config_import_no_jax(module):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"importing {module} pulled in {done.stdout.strip()}"
+
+
+def test_private_jax_apis_are_used_only_in_jax_internals():
+    users = [
+        str(path.relative_to(multiprocess.ROOT))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "jax._src" in path.read_text() and path.name != "jax_internals.py"
+    ]
+    assert not users, f"private JAX APIs used outside jddp/runtime/jax_internals.py: {users}"

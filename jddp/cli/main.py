@@ -55,7 +55,7 @@ def info(simulate_devices: int | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
-        from jddp import launch
+        from jddp.cli import launch
 
         return launch.main(argv[1:])
     if argv[:1] == ["bench"]:

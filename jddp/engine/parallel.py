@@ -19,7 +19,7 @@ from jddp import runtime, validate
 from jddp import typing as jt
 from jddp.engine import comm, fused, reduce, replicas
 from jddp.engine import metrics as metrics_lib
-from jddp.runtime import dispatch, packing
+from jddp.runtime import dispatch, jax_internals, packing
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
@@ -500,27 +500,25 @@ class DataParallel:
 # --------------------------------------------------------------- helpers
 
 
-def _vma(x) -> frozenset:
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    return frozenset(vma if vma is not None else aval.mat.varying)
-
-
 def _varying(x):
     """``x`` cast to varying over ``"data"`` (no-op when it already is)."""
-    return x if DATA in _vma(x) else lax.pcast(x, DATA, to="varying")
+    return x if DATA in jax_internals.varying_axes(x) else lax.pcast(x, DATA, to="varying")
 
 
 def _split_varying(tree):
     """Splits a pytree's leaves into (all leaves, varying float leaves, rebuild)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if DATA in _vma(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
-    for i, x in enumerate(leaves):
-        if DATA in _vma(x) and i not in idx:
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [x for _, x in with_paths]
+    idx = []
+    for i, (path, x) in enumerate(with_paths):
+        if DATA not in jax_internals.varying_axes(x):
+            continue
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
             raise ValueError(
-                f"Model state leaf {i} (dtype={x.dtype}) differs across devices and is not a "
-                "float, so it cannot be averaged; compute it from replicated values."
+                f"Model state leaf model_state{jax.tree_util.keystr(path)} (dtype={x.dtype}) differs across devices "
+                "and is not a float, so it cannot be averaged; compute it from replicated values."
             )
+        idx.append(i)
 
     def rebuild(all_leaves, averaged):
         out = list(all_leaves)

@@ -1,4 +1,4 @@
-"""Joining a group of processes: ``initialize``, ``barrier`` and the peer watchdog.
+"""Joining a group of processes: ``initialize`` and ``barrier``.
 
 ``initialize()`` is the first line of a training script. What it does depends on
 where the script runs:
@@ -17,28 +17,8 @@ default ``[::]:port`` does. On CPU the collectives are gloo. Each process prints
 one preflight line: its index, the process count, its local and the global
 devices, and the coordinator.
 
-Failure detection
------------------
-JAX's own behaviour when a peer dies is a hang in the next collective until the
-coordination service's heartbeat timeout (100 s by default), then a C++ abort
-with no Python cleanup. jddp adds a watchdog thread to every process of a group.
-Every ``peer_timeout_s / 10`` seconds it writes a counter under
-``jddp/alive/<process>`` in the coordination service's key-value store and reads
-everyone's. It ends the process with ``EXIT_PEER_LOST`` (69) and one line on
-stderr naming the lost process, when:
-
-* a peer's counter has not moved for ``peer_timeout_s`` (30 s by default): the
-  peer died, was killed, or is frozen;
-* a peer reports that it ended with an unhandled exception (jddp marks that in
-  ``sys.excepthook``): there is no point waiting for its collectives;
-* the coordinator (process 0) no longer answers.
-
-JAX's heartbeat timeout is set ``15 s`` above ``peer_timeout_s``, so the
-watchdog speaks first and the C++ abort remains only as a backstop. A watchdog
-that was itself starved of the GIL for more than half the timeout judges nobody
-on that round, so a long pause in this process is not blamed on its peers. A
-peer that ended normally (its script returned) is waited for at exit by a
-barrier, which is what lets the last processes finish their work.
+Failure detection: a watchdog thread in every process of a group ends it with
+``EXIT_PEER_LOST`` (69) naming the lost peer (``jddp.runtime.watchdog``).
 
 Environment variables (``jddp launch`` sets the first five):
 
@@ -50,16 +30,15 @@ Environment variables (``jddp launch`` sets the first five):
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import errno
 import os
 import socket
 import sys
-import threading
 import time
 
-from jddp import exitcodes, net
+from jddp import net
+from jddp.runtime import jax_internals, mesh, watchdog
 
 ENV_COORDINATOR = "JDDP_COORDINATOR"
 ENV_NUM_PROCESSES = "JDDP_NUM_PROCESSES"
@@ -71,9 +50,6 @@ ENV_INIT_TIMEOUT = "JDDP_INIT_TIMEOUT"
 DEFAULT_PEER_TIMEOUT_S = 30.0
 DEFAULT_INIT_TIMEOUT_S = 120.0
 HEARTBEAT_MARGIN_S = 15
-ALIVE_PREFIX = "jddp/alive/"
-DONE = "done"
-FAILED = "failed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +63,6 @@ class ProcessGroup:
 
 
 _group: ProcessGroup | None = None
-_watchdog: _Watchdog | None = None
 _barrier_counts: dict[str, int] = {}
 
 
@@ -146,38 +121,12 @@ def _wait_reachable(host: str, port: int, deadline: float, process_id: int, num_
         time.sleep(0.2)
 
 
-def _cluster_detected() -> bool:
-    from jax._src import clusters
-
-    return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
-
-
 def _own_address_toward(host: str, port: int) -> str:
     """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(address)
         return s.getsockname()[0]
-
-
-def _use_gloo_with_hostname(hostname: str) -> None:
-    """Registers the CPU backend with gloo collectives advertising ``hostname``.
-
-    gloo advertises the address the machine's hostname resolves to; where that
-    is 127.0.0.1 (common on Debian hosts), peers on other hosts cannot connect.
-    """
-    import functools
-
-    from jax._src import distributed as jax_distributed
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]  # no public API for gloo's hostname
-
-    collectives = _jax.make_gloo_tcp_collectives(
-        distributed_client=jax_distributed.global_state.client, hostname=hostname
-    )
-    xla_bridge.register_backend_factory(
-        "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives), priority=0, fail_quietly=False
-    )
 
 
 def initialize(
@@ -220,114 +169,143 @@ def initialize(
       TimeoutError: if the coordinator cannot be reached within ``init_timeout_s``.
       OSError: if process 0 finds the coordinator port already in use.
     """
-    global _group, _watchdog
+    global _group
     if _group is not None:
         return _group
-    import jax
-    from jax._src import distributed as jax_distributed
-    from jax._src import xla_bridge
-
-    from jddp.runtime import mesh
-
-    coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR) or None
-    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
-    local_devices = local_devices if local_devices is not None else _env_int(ENV_LOCAL_DEVICES)
-    if init_timeout_s is None:
-        init_timeout_s = _env_float(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
-    if peer_timeout_s is None:
-        peer_timeout_s = _env_float(ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT_S)
-
-    for name, value in (("init_timeout_s", init_timeout_s), ("peer_timeout_s", peer_timeout_s)):
-        if not value > 0:
-            raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
-    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
-    if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
-        missing = [k for k, v in given.items() if v is None]
-        raise ValueError(
-            f"jddp.initialize got {', '.join(f'{k}={v!r}' for k, v in given.items())}: a group needs all three; "
-            f"{missing} missing. Set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} together, "
-            "or start the script with `jddp launch`."
-        )
-    if num_processes is not None:
-        assert coordinator is not None and process_id is not None  # checked above: a group gets all three
-        if num_processes < 1:
-            raise ValueError(f"num_processes={num_processes} ({ENV_NUM_PROCESSES}) must be at least 1.")
-        if not 0 <= process_id < num_processes:
-            raise ValueError(
-                f"process_id={process_id} ({ENV_PROCESS_ID}) must be in [0, num_processes={num_processes}) "
-                f"({ENV_NUM_PROCESSES}): process ids run from 0 to {num_processes - 1}."
-            )
-        host, port = net.split_address(coordinator)
-
-    single = num_processes == 1 or (num_processes is None and not _cluster_detected())
-    if single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
-        if local_devices is not None:
-            mesh.simulate_cpu_devices(local_devices)
+    settings = _Settings.resolve(
+        coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind_address
+    )
+    if settings.single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
+        if settings.local_devices is not None:
+            mesh.simulate_cpu_devices(settings.local_devices)
         return None
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeError(
-            "jddp.initialize() must run before JAX starts its backend, but the backend is already running "
-            f"({jax.device_count()} device(s)). Call it first thing in the script, before creating arrays, "
-            "calling jax.devices() or jitting anything."
-        )
-    if local_devices is not None:
-        mesh.simulate_cpu_devices(local_devices)
-    if jax.config.jax_platforms in (None, "", "cpu") or local_devices is not None:  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _prepare_backend(settings)
+    coordinator = _join(settings, shutdown_timeout_s)
+    import jax
 
-    heartbeat = int(peer_timeout_s + HEARTBEAT_MARGIN_S)
-    if num_processes is None:
-        jax.distributed.initialize(
-            initialization_timeout=int(init_timeout_s),
-            heartbeat_timeout_seconds=heartbeat,
-            shutdown_timeout_seconds=int(shutdown_timeout_s),
-        )
-        coordinator = jax_distributed.global_state.coordinator_address
-    else:
-        assert coordinator is not None and process_id is not None  # checked above: a group gets all three
-        deadline = time.monotonic() + init_timeout_s
-        bind = bind_address or coordinator
-        if process_id == 0:
-            _check_port_free(*net.split_address(bind))
-        else:
-            _wait_reachable(host, port, deadline, process_id, num_processes)
-        jax.distributed.initialize(
-            coordinator,
-            num_processes,
-            process_id,
-            coordinator_bind_address=bind,
-            initialization_timeout=max(1, int(deadline - time.monotonic())),
-            heartbeat_timeout_seconds=heartbeat,
-            shutdown_timeout_seconds=int(shutdown_timeout_s),
-        )
-        if jax.config.jax_cpu_collectives_implementation == "gloo":  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
-            _use_gloo_with_hostname(_own_address_toward(host, port))
-
-    _group = ProcessGroup(coordinator, jax.process_count(), jax.process_index(), peer_timeout_s)
-    _watchdog = _Watchdog(jax_distributed.global_state.client, _group, shutdown_timeout_s)
-    _watchdog.start()
-    _install_exit_hooks()
+    _group = ProcessGroup(coordinator, jax.process_count(), jax.process_index(), settings.peer_timeout_s)
+    client = jax_internals.distributed_client()
+    watchdog.start(client, _group.process_id, _group.num_processes, coordinator, settings.peer_timeout_s)
     if verbose:
         print(
             f"jddp: process {_group.process_id} of {_group.num_processes}: {jax.local_device_count()} local "
             f"{jax.default_backend()} device(s), {jax.device_count()} global, coordinator {coordinator}, "
-            f"peer timeout {peer_timeout_s:g} s",
+            f"peer timeout {settings.peer_timeout_s:g} s",
             file=sys.stderr,
             flush=True,
         )
     return _group
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """``initialize``'s arguments with the environment's defaults filled in, checked."""
+
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    local_devices: int | None
+    init_timeout_s: float
+    peer_timeout_s: float
+    bind_address: str | None
+
+    @classmethod
+    def resolve(cls, coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind):
+        coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR) or None
+        num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+        process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+        local_devices = local_devices if local_devices is not None else _env_int(ENV_LOCAL_DEVICES)
+        if init_timeout_s is None:
+            init_timeout_s = _env_float(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
+        if peer_timeout_s is None:
+            peer_timeout_s = _env_float(ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT_S)
+        settings = cls(coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        for name, value in (("init_timeout_s", self.init_timeout_s), ("peer_timeout_s", self.peer_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
+        given = {"coordinator": self.coordinator, "num_processes": self.num_processes, "process_id": self.process_id}
+        if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
+            missing = [k for k, v in given.items() if v is None]
+            raise ValueError(
+                f"jddp.initialize got {', '.join(f'{k}={v!r}' for k, v in given.items())}: a group needs all "
+                f"three; {missing} missing. Set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
+                "together, or start the script with `jddp launch`."
+            )
+        if self.num_processes is not None:
+            assert self.coordinator is not None and self.process_id is not None  # checked above: all three
+            if self.num_processes < 1:
+                raise ValueError(f"num_processes={self.num_processes} ({ENV_NUM_PROCESSES}) must be at least 1.")
+            if not 0 <= self.process_id < self.num_processes:
+                raise ValueError(
+                    f"process_id={self.process_id} ({ENV_PROCESS_ID}) must be in [0, num_processes="
+                    f"{self.num_processes}) ({ENV_NUM_PROCESSES}): process ids run from 0 to {self.num_processes - 1}."
+                )
+            net.split_address(self.coordinator)
+
+    @property
+    def single(self) -> bool:
+        """Nothing to join: one process, or no group given and no cluster detected."""
+        return self.num_processes == 1 or (self.num_processes is None and not jax_internals.cluster_detected())
+
+
+def _prepare_backend(settings: _Settings) -> None:
+    """Before the backend starts: the device count and gloo as the CPU collectives."""
+    import jax
+
+    if jax_internals.backend_started():
+        raise RuntimeError(
+            "jddp.initialize() must run before JAX starts its backend, but the backend is already running "
+            f"({jax.device_count()} device(s)). Call it first thing in the script, before creating arrays, "
+            "calling jax.devices() or jitting anything."
+        )
+    if settings.local_devices is not None:
+        mesh.simulate_cpu_devices(settings.local_devices)
+    if jax.config.jax_platforms in (None, "", "cpu") or settings.local_devices is not None:  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def _join(settings: _Settings, shutdown_timeout_s: float) -> str | None:
+    """``jax.distributed.initialize`` with the coordinator checked first; returns the coordinator address."""
+    import jax
+
+    heartbeat = int(settings.peer_timeout_s + HEARTBEAT_MARGIN_S)
+    if settings.num_processes is None:  # a cluster JAX detects
+        jax.distributed.initialize(
+            initialization_timeout=int(settings.init_timeout_s),
+            heartbeat_timeout_seconds=heartbeat,
+            shutdown_timeout_seconds=int(shutdown_timeout_s),
+        )
+        return jax_internals.coordinator_address()
+    coordinator, process_id = settings.coordinator, settings.process_id
+    assert coordinator is not None and process_id is not None  # checked by _Settings: a group gets all three
+    host, port = net.split_address(coordinator)
+    deadline = time.monotonic() + settings.init_timeout_s
+    bind = settings.bind_address or coordinator
+    if process_id == 0:
+        _check_port_free(*net.split_address(bind))
+    else:
+        _wait_reachable(host, port, deadline, process_id, settings.num_processes)
+    jax.distributed.initialize(
+        coordinator,
+        settings.num_processes,
+        process_id,
+        coordinator_bind_address=bind,
+        initialization_timeout=max(1, int(deadline - time.monotonic())),
+        heartbeat_timeout_seconds=heartbeat,
+        shutdown_timeout_seconds=int(shutdown_timeout_s),
+    )
+    if jax.config.jax_cpu_collectives_implementation == "gloo":  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
+        jax_internals.use_gloo_with_hostname(_own_address_toward(host, port))
+    return coordinator
+
+
 def group() -> ProcessGroup | None:
     """The group joined by ``initialize``, or ``None``."""
     return _group
-
-
-def _client():
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client
 
 
 def barrier(name: str, timeout_s: float = 300.0) -> None:
@@ -340,7 +318,7 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
     """
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"barrier name={name!r} must be a non-empty string without '/'.")
-    client = _client()
+    client = jax_internals.distributed_client()
     if client is None:
         return
     count = _barrier_counts[name] = _barrier_counts.get(name, 0) + 1
@@ -357,128 +335,3 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
             f"jddp.barrier({name!r}) call {count} timed out after {timeout_s:g} s on process {me}: "
             f"process(es) {missing} did not arrive ({str(error).splitlines()[0]})"
         ) from None
-
-
-class _Watchdog(threading.Thread):
-    """Ends this process when a peer is lost; see the module docstring."""
-
-    def __init__(self, client, group: ProcessGroup, shutdown_timeout_s: float):
-        super().__init__(name="jddp-peer-watchdog", daemon=True)
-        self.client = client
-        self.group = group
-        self.shutdown_timeout_s = shutdown_timeout_s
-        self.interval = max(0.05, group.peer_timeout_s / 10)
-        self.state: str | None = None  # None while running, then DONE or FAILED
-        self.stopped = threading.Event()
-        self.key = f"{ALIVE_PREFIX}{group.process_id}"
-
-    def run(self) -> None:
-        peers = [p for p in range(self.group.num_processes) if p != self.group.process_id]
-        last_value: dict[int, str | None] = dict.fromkeys(peers)
-        last_change = dict.fromkeys(peers, time.monotonic())
-        last_round = time.monotonic()
-        counter = 0
-        while not self.stopped.wait(self.interval):
-            counter += 1
-            try:
-                self.client.key_value_set(self.key, self.state or str(counter), allow_overwrite=True)
-                entries = self.client.key_value_dir_get(ALIVE_PREFIX)
-            except Exception as error:
-                if self.stopped.is_set() or _client() is None:  # stopped, or jax.distributed.shutdown() was called
-                    return
-                self._fail(
-                    f"lost the coordinator (process 0 at {self.group.coordinator}): "
-                    f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
-                )
-            now = time.monotonic()
-            starved = now - last_round > self.group.peer_timeout_s / 2
-            last_round = now
-            values = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
-            for p in peers:
-                value = values.get(p)
-                if value == FAILED:
-                    self._fail(f"process {p} ended with an unhandled exception (see its output)")
-                if value != last_value[p] or starved or value == DONE:
-                    last_value[p], last_change[p] = value, now
-            silent = [p for p in peers if now - last_change[p] > self.group.peer_timeout_s]
-            if silent:
-                self._fail(
-                    f"lost process(es) {silent}: no sign of life for more than {self.group.peer_timeout_s:g} s "
-                    "(killed, crashed or frozen)"
-                )
-
-    def _fail(self, reason: str) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        message = (
-            f"jddp: process {self.group.process_id} of {self.group.num_processes} {reason}; "
-            f"exiting with code {exitcodes.EXIT_PEER_LOST}.\n"
-        )
-        os.write(2, message.encode())
-        os._exit(exitcodes.EXIT_PEER_LOST)
-
-    def mark(self, state: str) -> None:
-        self.state = state
-        try:
-            self.client.key_value_set(self.key, state, allow_overwrite=True)
-        except Exception:
-            pass
-
-
-def _install_exit_hooks() -> None:
-    previous_hook = sys.excepthook
-
-    def excepthook(kind, value, traceback):
-        previous_hook(kind, value, traceback)
-        watchdog = _watchdog
-        if watchdog is None or issubclass(kind, KeyboardInterrupt):
-            return
-        if _is_collective_failure(value):
-            # gloo noticed a closed connection before the watchdog noticed the silence; give the watchdog time
-            # to name the lost process (it ends this process), and only then blame this process.
-            print(
-                f"jddp: a collective failed on process {watchdog.group.process_id}; waiting up to "
-                f"{watchdog.group.peer_timeout_s:g} s to find out which peer is lost",
-                file=sys.stderr,
-                flush=True,
-            )
-            time.sleep(watchdog.group.peer_timeout_s + 3 * watchdog.interval)
-        watchdog.mark(FAILED)
-
-    sys.excepthook = excepthook
-    atexit.register(_at_exit)
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    # XLA surfaces a broken gloo connection as JaxRuntimeError or, from some call sites, ValueError.
-    text = str(error)
-    return any(marker in text for marker in ("Gloo", "Connection closed by peer", "Connection reset by peer"))
-
-
-def _at_exit() -> None:
-    """Finished normally: wait for the others (the watchdog still guards us), then let JAX shut down."""
-    watchdog = _watchdog
-    if watchdog is None or not watchdog.is_alive():
-        return
-    if watchdog.state == FAILED:
-        # Peers stop on the mark; waiting for them at a barrier would only delay the exit.
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(1)
-    watchdog.mark(DONE)
-    # Wait for every peer to finish, however long its remaining work takes: the watchdog (still running) ends
-    # this process if a peer dies or fails meanwhile. Only then does JAX's own time-limited shutdown barrier run.
-    peers = set(range(watchdog.group.num_processes)) - {watchdog.group.process_id}
-    while True:
-        try:
-            values = {int(k.rsplit("/", 1)[1]): v for k, v in watchdog.client.key_value_dir_get(ALIVE_PREFIX)}
-        except Exception:
-            break  # the coordinator is gone: nothing left to wait for
-        if all(values.get(p) in (DONE, FAILED) for p in peers):
-            break
-        time.sleep(watchdog.interval)
-    watchdog.stopped.set()
-    watchdog.join(timeout=5)

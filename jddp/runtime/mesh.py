@@ -20,10 +20,10 @@ block of rows of every global batch.
 from __future__ import annotations
 
 import jax
-from jax._src import xla_bridge
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jddp import validate
+from jddp.runtime import jax_internals
 
 DATA_AXIS = "data"
 
@@ -46,7 +46,7 @@ def simulate_cpu_devices(n: int) -> None:
       RuntimeError: if the JAX backend is already running with another device count.
     """
     validate.check_int("n", n)
-    if xla_bridge.backends_are_initialized():
+    if jax_internals.backend_started():
         have = jax.device_count()
         if have == n and jax.default_backend() == "cpu":
             return

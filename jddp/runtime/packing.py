@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from jddp.runtime import jax_internals
+
 
 @dataclasses.dataclass(frozen=True)
 class Field:
@@ -160,13 +162,10 @@ class Transfer:
     def __init__(self, sharding, global_rows: int):
         self.sharding, self.global_rows = sharding, global_rows
         self._put = None
-        try:
-            from jax._src import core
-            from jax._src.lib import xla_client  # pyright: ignore[reportPrivateImportUsage]  # private on purpose, see above
-
-            self._put, self._aval = xla_client.batched_device_put, core.ShapedArray
-        except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+        direct = jax_internals.batched_device_put()
+        if direct is None:  # pragma: no cover - depends on the JAX version
             return
+        self._put, self._aval = direct
         self._slices: dict[int, tuple[list, list[slice]] | None] = {}
 
     def _plan(self, row_bytes: int) -> tuple[list, list[slice]] | None:

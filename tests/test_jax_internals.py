@@ -1,0 +1,91 @@
+"""Canaries for jddp.runtime.jax_internals: each fails naming the private JAX API that a JAX upgrade moved."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jddp
+from jddp.runtime import jax_internals
+
+
+def moved(function: str, what: str) -> str:
+    return (
+        f"jax {jax.__version__}: `jddp.runtime.jax_internals.{function}` relies on {what}, which this JAX does not "
+        "have any more. Find its new home in JAX's source and update that function (and the pin `jax<0.11`)."
+    )
+
+
+def private(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def test_backend_started():
+    jax.devices()
+    assert private("jax._src.xla_bridge", "backends_are_initialized") is not None, moved(
+        "backend_started", "jax._src.xla_bridge.backends_are_initialized"
+    )
+    assert jax_internals.backend_started() is True
+
+
+def test_distributed_client_and_coordinator_address():
+    state = private("jax._src.distributed", "global_state")
+    assert state is not None and hasattr(state, "client"), moved("distributed_client", "distributed.global_state")
+    assert hasattr(state, "coordinator_address"), moved("coordinator_address", "global_state.coordinator_address")
+    # pytest's process never joins a group (tests/multiprocess.py runs groups in their own processes).
+    assert jax_internals.distributed_client() is None and jax_internals.coordinator_address() is None
+
+
+def test_cluster_detected():
+    envs = private("jax._src.clusters", "ClusterEnv")
+    assert envs is not None and envs._cluster_types, moved("cluster_detected", "clusters.ClusterEnv._cluster_types")
+    for env in envs._cluster_types:
+        assert hasattr(env, "opt_in_only_method") and callable(env.is_env_present), moved(
+            "cluster_detected", f"{env.__name__}.opt_in_only_method / is_env_present"
+        )
+    assert jax_internals.cluster_detected() is False  # no SLURM, Open MPI or Kubernetes here
+
+
+def test_use_gloo_with_hostname():
+    """Only looked up: registering a backend in pytest's process would replace its CPU client."""
+    jax_lib = private("jax._src.lib", "_jax")
+    assert jax_lib is not None and callable(getattr(jax_lib, "make_gloo_tcp_collectives", None)), moved(
+        "use_gloo_with_hostname", "jax._src.lib._jax.make_gloo_tcp_collectives"
+    )
+    for name in ("register_backend_factory", "make_cpu_client"):
+        assert callable(private("jax._src.xla_bridge", name)), moved("use_gloo_with_hostname", f"xla_bridge.{name}")
+    # The two-host test (tests/test_two_hosts.py) is where the registration itself is exercised.
+
+
+def test_batched_device_put_equals_device_put():
+    direct = jax_internals.batched_device_put()
+    assert direct is not None, moved("batched_device_put", "jax._src.lib.xla_client.batched_device_put")
+    put, aval = direct
+    sharding = jddp.batch_sharding(jddp.data_mesh())
+    data = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    devices = list(sharding.addressable_devices_indices_map(data.shape))
+    rows = [data[i : i + 1] for i in range(8)]
+    got = put(aval(data.shape, data.dtype), sharding, rows, devices, True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.device_put(data, sharding)))
+
+
+def test_varying_axes():
+    mesh = jddp.data_mesh()
+
+    def body(x, w):
+        return jnp.stack([len(jax_internals.varying_axes(x)), len(jax_internals.varying_axes(w))])[None]
+
+    try:
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
+        counts = np.asarray(f(np.ones(8, np.float32), np.float32(1)))
+    except AttributeError as error:
+        pytest.fail(moved("varying_axes", f"jax.typeof(x).mat.varying ({error})"))
+    assert (counts == [[1, 0]] * 8).all()  # the batch varies over "data"; a replicated weight does not
