@@ -1,0 +1,148 @@
+"""``DataParallel``'s argument checks: options, calls, batches, the loss output and the initial state."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp import validate
+from jddp.runtime import state as state_lib
+
+MSG_LOSS_OUTPUT = (
+    "`loss_fn` must return `(loss, (new_model_state, metrics))`, where `loss` is a "
+    "scalar mean over the local batch's real examples or a `jddp.Weighted(total, "
+    "weight)`, `new_model_state` is the model state (`{{}}` if none) and `metrics` a "
+    "dict of scalars. It returned {got}."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """``DataParallel``'s options, checked when made."""
+
+    accumulate_steps: int
+    reduce_dtype: Any
+    clip_grad_norm: float | None
+    nonfinite: str
+    donate: bool
+    max_inflight: int
+    fuse_allreduce: bool | None
+
+    def __post_init__(self):
+        validate.check_int("accumulate_steps", self.accumulate_steps)
+        if self.reduce_dtype is not None and not jnp.issubdtype(self.reduce_dtype, jnp.floating):
+            raise ValueError(
+                f"`reduce_dtype` must be a float dtype such as jnp.bfloat16 or None, "
+                f"got reduce_dtype={self.reduce_dtype!r}."
+            )
+        c = self.clip_grad_norm
+        if c is not None and not (isinstance(c, int | float) and c > 0 and np.isfinite(c)):
+            raise ValueError(f"`clip_grad_norm` must be a positive number or None, got clip_grad_norm={c!r}.")
+        if self.nonfinite not in ("skip", "raise", "ignore"):
+            raise ValueError(f"`nonfinite` must be 'skip', 'raise' or 'ignore', got nonfinite={self.nonfinite!r}.")
+        validate.check_int("max_inflight", self.max_inflight)
+        if self.fuse_allreduce is not None and not isinstance(self.fuse_allreduce, bool):
+            raise ValueError(
+                f"`fuse_allreduce` must be True, False or None (automatic), got fuse_allreduce={self.fuse_allreduce!r}."
+            )
+
+
+def check_call(dp, state, batch) -> None:
+    """Before a program runs: ``state`` from this mesh, ``batch`` splittable (checked once per batch shape)."""
+    if not isinstance(state, state_lib.TrainState):
+        raise TypeError(f"`state` must be a jddp.TrainState from `init`, got {type(state).__name__}.")
+    sharding = getattr(state.step, "sharding", None)
+    if sharding is not dp._rep and sharding != dp._rep:
+        raise ValueError(
+            f"`state` lives on another mesh: its sharding is {sharding}, but this DataParallel "
+            f"uses {dp._rep}. Build the state with this object's `init`, or restore the "
+            "checkpoint onto this mesh."
+        )
+    leaves, treedef = jax.tree.flatten(batch)
+    signature = (treedef, tuple(np.shape(x) for x in leaves))
+    if signature != dp._checked:
+        check_batch(dp, batch, leaves)
+        dp._checked = signature
+
+
+def check_batch(dp, batch, leaves) -> None:
+    """Every leaf with one leading size that the devices and micro-batches divide; global arrays across processes."""
+    if not leaves:
+        raise ValueError("`batch` has no array leaves; pass a dict of arrays with a batch axis.")
+    sizes = {jax.tree_util.keystr(path): np.shape(x)[:1] for path, x in jax.tree.leaves_with_path(batch)}
+    leading = {s[0] if s else None for s in sizes.values()}
+    if len(leading) != 1 or None in leading:
+        raise ValueError(
+            "Every leaf of `batch` must have the same leading (batch) size, got "
+            + ", ".join(f"{k}: {v[0] if v else 'scalar'}" for k, v in sizes.items())
+            + "."
+        )
+    (size,) = leading
+    n, k = dp.num_devices, dp.options.accumulate_steps
+    if size % (n * k):
+        raise ValueError(
+            f"The global batch size must be divisible by the number of devices times "
+            f"`accumulate_steps`, got global_batch_size={size}, devices={n}, "
+            f"accumulate_steps={k}. Use a global batch size that is a multiple of {n * k}."
+        )
+    if jax.process_count() > 1 and not all(isinstance(x, jax.Array) for x in leaves):
+        raise TypeError(
+            "In a multi-process run every batch leaf must be a global jax.Array; use "
+            "`jddp.data.DataLoader` or `jax.make_array_from_process_local_data`."
+        )
+
+
+def unpack_loss(out):
+    try:
+        loss, (model_state, metrics) = out
+    except (TypeError, ValueError):
+        raise TypeError(MSG_LOSS_OUTPUT.format(got=describe(out))) from None
+    if not isinstance(metrics, dict):
+        raise TypeError(MSG_LOSS_OUTPUT.format(got=f"metrics of type {type(metrics).__name__}"))
+    return loss, (model_state, metrics)
+
+
+def describe(x) -> str:
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)}"
+    return f"{type(x).__name__} {getattr(x, 'shape', '')}".strip()
+
+
+def check_metric_names(user: dict, builtin: dict) -> None:
+    clash = sorted(set(user) & set(builtin))
+    if clash:
+        raise ValueError(f"Metric names {clash} are reserved by jddp ({sorted(builtin)}); rename them.")
+
+
+def host_copy(tree, what: str):
+    """A NumPy copy of every leaf, or ``TypeError`` naming the first non-array leaf."""
+
+    def copy(path, x):
+        if not isinstance(x, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"Every leaf of `{what}` must be an array, but {what}{jax.tree_util.keystr(path)} "
+                f"is {type(x).__name__} ({x!r:.60}). Convert it with `jnp.asarray` or keep it "
+                "out of the pytree (in the model or a closure)."
+            )
+        return np.array(jax.device_get(x), copy=True)
+
+    return jax.tree_util.tree_map_with_path(copy, tree)
+
+
+def key_data(rng) -> np.ndarray:
+    if isinstance(rng, int) and not isinstance(rng, bool):
+        rng = jax.random.key(rng)
+    if not isinstance(rng, jax.Array | np.ndarray):
+        raise TypeError(f"`rng` must be a JAX PRNG key or an int seed, got {type(rng).__name__}.")
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    data = np.array(jax.device_get(rng), copy=True)
+    if data.dtype != np.uint32 or data.shape != (2,):
+        raise ValueError(
+            f"`rng` must be a threefry key (uint32[2] key data), got dtype={data.dtype}, shape={data.shape}."
+        )
+    return data

@@ -1,0 +1,170 @@
+"""The device side of a training step: what each device runs inside ``jit(shard_map(...))``.
+
+``DeviceStep.local_step``: local gradients (a ``lax.scan`` over micro-batches
+with ``accumulate_steps``), one all-reduce of gradients, loss and metric totals,
+counts and unsynchronised model state, then the update, identical on every
+replica. ``DeviceStep.local_eval``: exact global means of the evaluation
+metrics. ``jddp.engine.parallel.DataParallel`` compiles and calls them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TypeAlias
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jddp import runtime
+from jddp import typing as jt
+from jddp.engine import checks, reduce, varying
+from jddp.runtime import packing
+from jddp.runtime import state as state_lib
+
+DATA = runtime.DATA_AXIS
+# The state the programs take and return, without the rng key: (step, params, opt_state, model_state).
+Train: TypeAlias = tuple[jax.Array, jt.Params, jt.PyTree, jt.ModelState]
+
+
+@dataclasses.dataclass
+class DeviceStep:
+    """The per-device programs of one ``DataParallel``; ``names`` records each program's metric names."""
+
+    loss_fn: jt.LossFn
+    optimizer: optax.GradientTransformation
+    eval_fn: jt.EvalFn | None
+    options: checks.Options
+    num_devices: int
+    psum: Callable
+    names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def local_step(self, train: Train, rng: jax.Array, batch):
+        opts = self.options
+        state = state_lib.TrainState(*train, rng)
+        batch = unpacked(batch)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        key = jax.random.fold_in(key, lax.axis_index(DATA))
+        params_v = jax.tree.map(varying.varying, state.params)
+        if opts.accumulate_steps == 1:
+            grads, model_state, sums = self._local_grads(params_v, state.model_state, batch, key)
+        else:
+            grads, model_state, sums = self._accumulate(params_v, state.model_state, batch, key)
+
+        # The one all-reduce: gradients, loss/metric totals, counts and any
+        # model state still varying, summed together (XLA emits one op; across CPU
+        # processes `fused_psum` makes it one buffer per dtype, so one pass of the ring).
+        synced, varying_state, unflatten_state = varying.split_varying(model_state)
+        wire = opts.reduce_dtype
+        grads_wire = grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
+        grads_sum, sums, synced_sum = self.psum((grads_wire, sums, varying_state), DATA)
+        model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
+
+        return self._apply(state, grads_sum, sums, model_state)
+
+    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state):
+        """The optimizer update from the all-reduced sums, identical on every replica."""
+        opts = self.options
+        loss_w, examples, aux = sums
+        loss = reduce.safe_divide(loss_w.total, loss_w.weight)
+        scale = 1.0 / jnp.where(loss_w.weight > 0, loss_w.weight, 1.0)
+        metrics = {"loss": loss, "examples": examples}
+        if opts.nonfinite != "ignore" or opts.clip_grad_norm is not None:
+            # The norm of the mean gradient, from the sums: the mean itself is
+            # only formed inside the update, where XLA fuses it into the optimizer.
+            metrics["grad_norm"] = grad_norm = optax.tree.norm(grads_sum) * scale
+        if opts.clip_grad_norm is not None:
+            scale = scale * jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
+
+        def update(operands):
+            grads_sum, params, opt_state, model_state, _ = operands
+            grads = jax.tree.map(lambda s, p: (s.astype(jnp.float32) * scale).astype(p.dtype), grads_sum, params)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, model_state
+
+        def skip(operands):
+            _, params, opt_state, _, old_model_state = operands
+            return params, opt_state, old_model_state
+
+        operands = (grads_sum, state.params, state.opt_state, model_state, state.model_state)
+        if opts.nonfinite == "ignore":
+            params, opt_state, model_state = update(operands)
+        else:
+            # A branch, not a select: the common path reads each buffer once.
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            metrics["nonfinite"] = (~finite).astype(jnp.float32)
+            params, opt_state, model_state = lax.cond(finite, update, skip, operands)
+        checks.check_metric_names(aux, metrics)
+        metrics.update({k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()})
+        return (state.step + 1, params, opt_state, model_state), self._pack("step", metrics)
+
+    def _pack(self, program: str, metrics: dict) -> jax.Array:
+        """Records the metric names (at trace time) and stacks the values."""
+        self.names[program] = tuple(metrics)
+        return jnp.stack([jnp.asarray(v, jnp.float32) for v in metrics.values()])
+
+    def _local_grads(self, params_v, model_state, batch, key):
+        """Local gradient of the loss *total* and the local sums, all varying."""
+        count = reduce.example_count(batch, leading_size(batch))
+
+        def objective(params):
+            loss, (new_model_state, aux) = checks.unpack_loss(self.loss_fn(params, model_state, batch, key))
+            loss_w = reduce.as_weighted(loss, count, "The loss returned by `loss_fn`")
+            aux_w = {k: reduce.as_weighted(v, count, f"Metric {k!r} returned by `loss_fn`") for k, v in aux.items()}
+            return loss_w.total, (loss_w, new_model_state, aux_w)
+
+        (_, (loss_w, new_model_state, aux_w)), grads = jax.value_and_grad(objective, has_aux=True)(params_v)
+        sums = (loss_w, count, aux_w)
+        return grads, new_model_state, jax.tree.map(varying.varying, sums)
+
+    def _accumulate(self, params_v, model_state, batch, key):
+        """Sums local gradients over micro-batches in a scan: no collective inside."""
+        k = self.options.accumulate_steps
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        first = jax.tree.map(lambda x: x[0], micro)
+        model_state = jax.tree.map(varying.varying, model_state)
+        shapes = jax.eval_shape(self._local_grads, params_v, model_state, first, key)
+        zeros = jax.tree.map(lambda s: varying.varying(jnp.zeros(s.shape, s.dtype)), (shapes[0], shapes[2]))
+
+        def body(carry, xs):
+            grads_acc, ms, sums_acc = carry
+            mb, i = xs
+            g, ms, s = self._local_grads(params_v, ms, mb, jax.random.fold_in(key, i))
+            add = functools.partial(jax.tree.map, jnp.add)
+            return (add(grads_acc, g), jax.tree.map(varying.varying, ms), add(sums_acc, s)), None
+
+        init = (zeros[0], model_state, zeros[1])
+        (grads, model_state, sums), _ = lax.scan(body, init, (micro, jnp.arange(k)))
+        return grads, model_state, sums
+
+    def local_eval(self, train: Train, rng: jax.Array, batch):
+        state = state_lib.TrainState(*train, rng)
+        batch = unpacked(batch)
+        count = reduce.example_count(batch, leading_size(batch))
+        if self.eval_fn is None:
+            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), lax.axis_index(DATA))
+            loss, (_, aux) = checks.unpack_loss(self.loss_fn(state.params, state.model_state, batch, key))
+            metrics = {"loss": loss, **aux}
+        else:
+            metrics = self.eval_fn(state.params, state.model_state, batch)
+        if not isinstance(metrics, dict):
+            raise TypeError(f"`eval_fn` must return a dict of scalars, got {type(metrics).__name__}.")
+        sums = {k: reduce.as_weighted(v, count, f"Metric {k!r}") for k, v in metrics.items()}
+        sums, examples = self.psum((jax.tree.map(varying.varying, sums), varying.varying(count)), DATA)
+        metrics = {k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}
+        checks.check_metric_names(metrics, {"examples": examples})
+        packed = self._pack("eval", {**metrics, "examples": examples})
+        # The weights follow the values, so that `evaluate` can combine batches exactly.
+        return jnp.concatenate([packed, jnp.stack([w.weight for w in sums.values()])])
+
+
+def unpacked(batch):
+    """A ``PackedBatch`` (from ``jddp.data.DataLoader``) as its dict of arrays."""
+    return packing.unpack(batch.data, batch.layout) if isinstance(batch, packing.PackedBatch) else batch
+
+
+def leading_size(batch) -> int:
+    return jax.tree.leaves(batch)[0].shape[0]
