@@ -9,7 +9,7 @@ import pytest
 
 import jddp
 from jddp.data import loader as loader_lib
-from jddp.data.sampler import DistributedSampler
+from jddp.data.sampler import DistributedBatchSampler
 from tests import models
 
 
@@ -28,7 +28,7 @@ def host(batch) -> dict[str, np.ndarray]:
 def test_batches_are_global_arrays_of_the_sampler_rows():
     data = source()
     loader = jddp.data.DataLoader(data, global_batch_size=32, seed=5, shuffle=True)
-    reference = DistributedSampler(len(data["x"]), global_batch_size=32, seed=5)
+    reference = DistributedBatchSampler(len(data["x"]), global_batch_size=32, seed=5)
     batches = list(loader)
     assert len(batches) == len(loader) == 203 // 32
     for position, batch in enumerate(batches):
@@ -109,13 +109,13 @@ def double_with_noise(example, rng):
 
 def test_per_example_transform_does_not_depend_on_the_process_count():
     data = source(64)
-    one = DistributedSampler(64, global_batch_size=16, seed=1)
+    one = DistributedBatchSampler(64, global_batch_size=16, seed=1)
     read_one = loader_lib._ReadBatch(data, one, double_with_noise, None).batch
     for position in (0, 5):
         whole = read_one(position)
         parts = []
         for rank in range(4):
-            s = DistributedSampler(64, global_batch_size=16, seed=1, num_replicas=4, rank=rank)
+            s = DistributedBatchSampler(64, global_batch_size=16, seed=1, num_replicas=4, rank=rank)
             parts.append(loader_lib._ReadBatch(data, s, double_with_noise, None).batch(position))
         np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), whole["x"])
         assert not np.allclose(whole["x"], 2 * data["x"][one.local_batch(position).indices])
@@ -129,7 +129,7 @@ def noise_of(example, rng):
 def test_the_same_example_draws_new_randomness_every_epoch(shuffle):
     """An example's transform ``rng`` changes with the epoch (also when the order does not) and repeats on a re-read."""
     data = {**source(64), "id": np.arange(64, dtype=np.int32)}
-    sampler = DistributedSampler(64, global_batch_size=16, seed=1, shuffle=shuffle)
+    sampler = DistributedBatchSampler(64, global_batch_size=16, seed=1, shuffle=shuffle)
     read = loader_lib._ReadBatch(data, sampler, noise_of, None).batch
 
     def epoch_noise(epoch: int) -> np.ndarray:
@@ -187,7 +187,7 @@ def test_blocks_of_any_size_give_the_sampler_rows(monkeypatch, read_bytes):
     monkeypatch.setattr(loader_lib, "_READ_BYTES", read_bytes)
     data = mixed_source(70)
     loader = jddp.data.DataLoader(data, global_batch_size=16, seed=3, drop_last=False, prefetch=1)
-    reference = DistributedSampler(70, global_batch_size=16, seed=3, drop_last=False)
+    reference = DistributedBatchSampler(70, global_batch_size=16, seed=3, drop_last=False)
     assert loader._read.batches_per_read == {1: 1, 2200: 3, 1 << 20: 16}[read_bytes]  # rows of 44 bytes
     batches = [host(b) for _ in range(2) for b in loader]  # two epochs of 5 batches
     assert len(batches) == 10
@@ -248,7 +248,7 @@ def test_worker_processes_give_the_same_batches(monkeypatch, transform):
 def test_stream_restarts_where_the_position_moved():
     data = source(100)
     loader = jddp.data.DataLoader(data, global_batch_size=16, seed=2, drop_last=False)
-    reference = DistributedSampler(100, global_batch_size=16, seed=2, drop_last=False)
+    reference = DistributedBatchSampler(100, global_batch_size=16, seed=2, drop_last=False)
     it = iter(loader)
     next(it), next(it)
     loader.set_epoch(3)  # jumps: the stream read ahead from position 2 must not be used
@@ -266,7 +266,7 @@ def test_trains_like_pre_staged_batches():
     state = dp.init(model.params)
     for batch in loader:
         state, _ = dp.step(state, batch)
-    sampler = DistributedSampler(128, global_batch_size=32, seed=9)
+    sampler = DistributedBatchSampler(128, global_batch_size=32, seed=9)
     staged = [{**{k: v[b.indices] for k, v in data.items()}, "mask": b.mask} for b in sampler]
     ref, _ = models.reference_sgd(model, staged, 0.1)
     assert models.max_diff(state.params, ref) < 1e-6

@@ -1,4 +1,4 @@
-"""DistributedSampler: world-size invariance, coverage and resume, as properties."""
+"""DistributedBatchSampler: world-size invariance, coverage and resume, as properties."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jddp.data.sampler import DistributedSampler
+from jddp.data.sampler import DistributedBatchSampler
 
 
 @st.composite
@@ -30,7 +30,7 @@ def setups(draw):
 
 def global_batches(setup: dict, replicas: int, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """The global batches of ``epoch``, assembled from every replica's slices."""
-    samplers = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    samplers = [DistributedBatchSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
     out = []
     for s in samplers:
         s.set_epoch(epoch)
@@ -57,7 +57,7 @@ def test_global_batches_do_not_depend_on_replicas(case, other_replicas):
 @given(setups())
 def test_slices_disjoint_and_epoch_covers_each_example_once(case):
     setup, replicas = case
-    samplers = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    samplers = [DistributedBatchSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
     seen = []
     for slices in zip(*samplers, strict=True):
         real = [b.indices[b.mask == 1] for b in slices]
@@ -98,7 +98,7 @@ def test_epochs_differ_and_seed_repeats(case):
     ids=["divides", "divides-drop", "remainder", "remainder-drop", "smaller-than-a-batch", "one-batch-drop"],
 )
 def test_len_counts_the_batches_of_an_epoch(size, drop_last, expected):
-    s = DistributedSampler(size, global_batch_size=4, num_replicas=2, rank=1, drop_last=drop_last)
+    s = DistributedBatchSampler(size, global_batch_size=4, num_replicas=2, rank=1, drop_last=drop_last)
     assert len(s) == expected
     assert len(list(s)) == expected
 
@@ -113,7 +113,7 @@ def test_len_is_the_batches_of_an_epoch_and_none_is_all_padding(case, batches, d
         setup = {**setup, "dataset_size": batches * batch}
     n = setup["dataset_size"]
     expected = n // batch if setup["drop_last"] else -(-n // batch)
-    samplers = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    samplers = [DistributedBatchSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
     assert all(len(s) == expected for s in samplers)
     epoch = list(zip(*samplers, strict=True))
     assert len(epoch) == expected and all(s.epoch == 1 for s in samplers)
@@ -122,7 +122,7 @@ def test_len_is_the_batches_of_an_epoch_and_none_is_all_padding(case, batches, d
 
 
 def test_forgetting_set_epoch_does_not_repeat_the_order():
-    s = DistributedSampler(50, global_batch_size=10, seed=3)
+    s = DistributedBatchSampler(50, global_batch_size=10, seed=3)
     first = np.concatenate([b.indices for b in s])
     second = np.concatenate([b.indices for b in s])  # no set_epoch in between
     assert s.epoch == 2
@@ -137,16 +137,16 @@ def test_resume_on_any_replica_count_continues_the_sequence(case, new_replicas, 
     setup, replicas = case
     if setup["global_batch_size"] % new_replicas:
         new_replicas = replicas
-    reference = DistributedSampler(**setup)  # one replica: the whole global batches
+    reference = DistributedBatchSampler(**setup)  # one replica: the whole global batches
     total = 3 * len(reference)
     stop = min(stop, total)
     expected = [reference.local_batch(p).indices for p in range(stop, total)]
 
-    old = [DistributedSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
+    old = [DistributedBatchSampler(**setup, num_replicas=replicas, rank=r) for r in range(replicas)]
     for s in old:
         s.position = stop
     state = json.loads(json.dumps(old[data.draw(st.integers(0, replicas - 1))].state_dict()))
-    new = [DistributedSampler(**setup, num_replicas=new_replicas, rank=r) for r in range(new_replicas)]
+    new = [DistributedBatchSampler(**setup, num_replicas=new_replicas, rank=r) for r in range(new_replicas)]
     for s in new:
         s.load_state_dict(state)
     got = []
@@ -162,7 +162,7 @@ def test_resume_on_any_replica_count_continues_the_sequence(case, new_replicas, 
 def test_local_block_equals_the_definition(case, position, data):
     setup, replicas = case
     rank = data.draw(st.integers(0, replicas - 1))
-    s = DistributedSampler(**setup, num_replicas=replicas, rank=rank)
+    s = DistributedBatchSampler(**setup, num_replicas=replicas, rank=rank)
     per_epoch = len(s)
     count = data.draw(st.integers(1, per_epoch - position % per_epoch))
     indices, mask, places = s.local_block(position, count)
@@ -179,7 +179,7 @@ def test_local_block_equals_the_definition(case, position, data):
 
 
 def test_local_block_must_stay_inside_one_epoch():
-    s = DistributedSampler(100, global_batch_size=10)
+    s = DistributedBatchSampler(100, global_batch_size=10)
     with pytest.raises(ValueError, match=r"inside one epoch of 10 batches, got position=17, count=4"):
         s.local_block(17, 4)
 
@@ -197,11 +197,11 @@ def test_local_block_must_stay_inside_one_epoch():
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        DistributedSampler(**kwargs)
+        DistributedBatchSampler(**kwargs)
 
 
 def test_state_from_another_dataset_is_refused():
-    s = DistributedSampler(100, global_batch_size=10, seed=1)
+    s = DistributedBatchSampler(100, global_batch_size=10, seed=1)
     with pytest.raises(ValueError, match=r"dataset_size: saved 90, here 100"):
         s.load_state_dict({**s.state_dict(), "dataset_size": 90})
     with pytest.raises(ValueError, match=r"seed: saved 2, here 1"):

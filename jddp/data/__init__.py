@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "DataLoader": "jddp.data.loader",
-    "DistributedSampler": "jddp.data.sampler",
+    "DistributedBatchSampler": "jddp.data.sampler",
     "LocalBatch": "jddp.data.sampler",
 }
 
-__all__ = ["DataLoader", "DistributedSampler", "LocalBatch"]
+__all__ = ["DataLoader", "DistributedBatchSampler", "LocalBatch"]
 
 
 def __getattr__(name: str):
@@ -32,4 +32,4 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from jddp.data.loader import DataLoader
-    from jddp.data.sampler import DistributedSampler, LocalBatch
+    from jddp.data.sampler import DistributedBatchSampler, LocalBatch

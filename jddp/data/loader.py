@@ -184,7 +184,7 @@ def source_size(source) -> int:
 class DataLoader:
     """Global batches for ``DataParallel.step``, each process reading only its slice.
 
-    The order of examples comes from a ``DistributedSampler`` (world-size
+    The order of examples comes from a ``DistributedBatchSampler`` (world-size
     invariant, see ``jddp.data.sampler``); Grain runs the reads and transforms,
     in worker processes if asked, and prefetches; each yielded batch is a
     mapping of the source's keys plus ``"mask"`` (0 for padding) to global
@@ -203,7 +203,7 @@ class DataLoader:
       global_batch_size: examples per step over all processes; divisible by the
         number of devices of ``mesh``.
       mesh: where batches go; ``jddp.data_mesh()`` when None.
-      shuffle, seed, drop_last: as for ``DistributedSampler``.
+      shuffle, seed, drop_last: as for ``DistributedBatchSampler``.
       transform: ``transform(example, rng) -> example`` per example; ``rng`` is
         a NumPy Generator seeded by (seed, epoch, place in the global order), so
         results do not depend on the number of processes.
@@ -254,7 +254,7 @@ class DataLoader:
             )
         validate.check_int("worker_count", worker_count, minimum=0)
         validate.check_int("prefetch", prefetch, minimum=0)
-        self.sampler = sampler_lib.DistributedSampler(
+        self.sampler = sampler_lib.DistributedBatchSampler(
             size,
             global_batch_size=global_batch_size,
             num_replicas=jax.process_count(),
@@ -285,7 +285,7 @@ class DataLoader:
         return self.sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """As ``DistributedSampler.set_epoch``; optional, the position implies the epoch."""
+        """As ``DistributedBatchSampler.set_epoch``; optional, the position implies the epoch."""
         self.sampler.set_epoch(epoch)
 
     def get_state(self) -> dict[str, Any]:

@@ -64,8 +64,8 @@ class LocalBatch:
     order: np.ndarray
 
 
-class DistributedSampler:
-    """PyTorch's ``DistributedSampler``, made world-size invariant and resumable.
+class DistributedBatchSampler:
+    """PyTorch's ``DistributedBatchSampler``, made world-size invariant and resumable.
 
     Args:
       dataset_size: number of examples, at least 1.
@@ -83,7 +83,7 @@ class DistributedSampler:
         ``drop_last=True``.
 
     Example:
-      >>> s = DistributedSampler(10, global_batch_size=4, num_replicas=2, rank=1, shuffle=False, drop_last=False)
+      >>> s = DistributedBatchSampler(10, global_batch_size=4, num_replicas=2, rank=1, shuffle=False, drop_last=False)
       >>> len(s), [b.indices.tolist() for b in s], [b.mask.tolist() for b in s][-1]
       (3, [[2, 3], [6, 7], [0, 1]], [0.0, 0.0])
     """

@@ -11,13 +11,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from jddp.data.sampler import DistributedSampler  # noqa: E402
+from jddp.data.sampler import DistributedBatchSampler  # noqa: E402
 from tests.test_loader import CountingSource  # noqa: E402
 
 src = CountingSource(70)
 # prefetch=0: no read-ahead (into the next epoch), so the reads are exactly this epoch's.
 loader = jddp.data.DataLoader(src, global_batch_size=16, seed=7, drop_last=False, prefetch=0)
-reference = DistributedSampler(70, global_batch_size=16, seed=7, drop_last=False)
+reference = DistributedBatchSampler(70, global_batch_size=16, seed=7, drop_last=False)
 for position, batch in enumerate(loader):
     rows = multihost_utils.process_allgather(batch["x"], tiled=True)
     mask = multihost_utils.process_allgather(batch["mask"], tiled=True)
