@@ -35,6 +35,8 @@ import tempfile
 import threading
 import time
 
+from jddp import net
+
 KIB = 1024
 DEFAULT_SIZES = ",".join(str(4**i * 4 * KIB) for i in range(8))  # 4 KiB .. 64 MiB
 VARIANTS = ("jax", "torch", "tcp", "memcpy")
@@ -50,18 +52,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(args: argparse.Namespace, tuned: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
         cmd = [sys.executable, "-m", "jddp.launch", "--peer-timeout", "120", "-n", "2", "--devices-per-process", "1"]
         cmd += [] if tuned else ["--no-malloc-tuning"]
-        cmd += ["-m", "benchmarks.allreduce", "--worker", out, str(_free_port()), str(_free_port())]
+        cmd += ["-m", "benchmarks.allreduce", "--worker", out, str(net.free_port()), str(net.free_port())]
         cmd += [args.sizes, str(args.rounds), str(args.bytes_per_round)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_")}  # XLA_FLAGS pass through
         env.pop("GLIBC_TUNABLES", None)

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import numpy as np
     import optax
 
-    from examples.mnist1d import train as mnist1d
+    from jddp.benchmark import models
 
     rng = np.random.default_rng(0)
     source = {
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         accuracy = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
         return jddp.masked_mean(ce, batch["mask"]), {"accuracy": jddp.masked_mean(accuracy, batch["mask"])}
 
-    graphdef, params, model_state = mnist1d.make_model(mnist1d.Config(hidden=256))
+    graphdef, params, model_state = models.mnist1d_mlp(hidden=256, seed=0)  # examples/mnist1d's MLP
     dp = jddp.DataParallel(jddp.models.nnx_loss(graphdef, loss), optax.adamw(1e-3), mesh=jddp.data_mesh())
     state = dp.init(params, model_state)
     loader = jddp.data.DataLoader(source, global_batch_size=bs, seed=1, prefetch=args.prefetch)

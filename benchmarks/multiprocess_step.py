@@ -82,6 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     from jddp import runtime
+    from jddp.benchmark import models
     from jddp.engine import replicas
 
     variants = args.variants.split(",")
@@ -117,7 +118,8 @@ def worker(args: argparse.Namespace) -> None:
             "y": jax.make_array_from_process_local_data(sharding, y[lo : lo + rows], y.shape),
         })  # fmt: skip
 
-    # Hand-written steps: value_and_grad on varying params, pmean, optax update.
+    # Hand-written steps: value_and_grad on varying params, pmean, optax update
+    # ("hand-written pmean" is jddp.benchmark.models.reference_step).
     def mean_loss(p, batch):
         return optax.softmax_cross_entropy_with_integer_labels(forward(p, batch["x"]), batch["y"]).mean()
 
@@ -131,27 +133,32 @@ def worker(args: argparse.Namespace) -> None:
         whole = lax.all_gather(lax.psum(part, "host"), "local", tiled=True, to="invarying")
         return whole[: flat.size] / (local_n * jax.process_count())
 
-    def hand_step(fuse: str | None):
+    def fused_step(fuse: str):
+        # Standalone on purpose: the reference step's mean, but communicated differently,
+        # which is what these variants measure: loss and gradients concatenated into one
+        # vector before the pmean ("flat"), or that vector reduced hierarchically on a 2-D
+        # ("host", "local") view of the devices ("hier"). The reference step's plain pmean
+        # of the pytree over a 1-D mesh expresses neither.
         axes = both if fuse == "hier" else "data"
 
         def local(p, opt_state, batch):
             varying = jax.tree.map(lambda a: lax.pcast(a, axes, to="varying"), p)
             loss, grads = jax.value_and_grad(mean_loss)(varying, batch)
-            if fuse:
-                leaves, treedef = jax.tree.flatten((loss, grads))
-                flat = jnp.concatenate([jnp.ravel(a) for a in leaves])
-                flat = hierarchical_mean(flat) if fuse == "hier" else lax.pmean(flat, "data")
-                cuts = np.cumsum([a.size for a in leaves])[:-1]
-                leaves = [f.reshape(a.shape) for f, a in zip(jnp.split(flat, cuts), leaves, strict=True)]
-                loss, grads = jax.tree.unflatten(treedef, leaves)
-            else:
-                loss, grads = lax.pmean((loss, grads), "data")
+            leaves, treedef = jax.tree.flatten((loss, grads))
+            flat = jnp.concatenate([jnp.ravel(a) for a in leaves])
+            flat = hierarchical_mean(flat) if fuse == "hier" else lax.pmean(flat, "data")
+            cuts = np.cumsum([a.size for a in leaves])[:-1]
+            leaves = [f.reshape(a.shape) for f, a in zip(jnp.split(flat, cuts), leaves, strict=True)]
+            loss, grads = jax.tree.unflatten(treedef, leaves)
             updates, opt_state = optimizer.update(grads, opt_state, p)
             return optax.apply_updates(p, updates), opt_state, loss
 
         m, spec = (grid, P(both)) if fuse == "hier" else (mesh, P("data"))
         mapped = jax.shard_map(local, mesh=m, in_specs=(P(), P(), spec), out_specs=(P(), P(), P()))
-        step = jax.jit(mapped, donate_argnums=(0, 1))
+        return jax.jit(mapped, donate_argnums=(0, 1))
+
+    def hand_step(fuse: str | None):
+        step = models.reference_step(mean_loss, optimizer, mesh) if fuse is None else fused_step(fuse)
         rep = runtime.replicated(mesh)
         p = jax.tree.map(lambda a: replicas.put_replicated(a, rep), params)
         holder = [p, jax.jit(optimizer.init, out_shardings=rep)(p)]

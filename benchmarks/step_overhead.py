@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
+    from jddp.benchmark import models
+
     rng = np.random.default_rng(0)
     sizes = [40, args.hidden, args.hidden, 10]
     params = {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
@@ -74,17 +76,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     dp_ignore = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, nonfinite="ignore")
     dp_unfused = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, fuse_allreduce=False)  # one buffer per leaf
 
-    # Hand-written: what a careful JAX user writes with shard_map.
-    def local_step(params, opt_state, batch):
-        varying = jax.tree.map(lambda p: lax.pcast(p, "data", to="varying"), params)
-        loss, grads = jax.value_and_grad(mean_loss)(varying, batch)
-        loss, grads = lax.pmean((loss, grads), "data")
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
     def local_step_same_math(params, opt_state, batch):
         # jddp's math written out: loss total weighted by the local count, one
         # psum of gradient sums and counts, divide once, guard, step counter.
+        # Standalone on purpose: a different computation from the reference
+        # step (psum of sums and counts, gradient norm, non-finite guard), the
+        # hand-written twin of jddp's default step, not of a plain pmean.
         (params, step) = params
         count = jnp.float32(batch["y"].shape[0])
         varying = jax.tree.map(lambda p: lax.pcast(p, "data", to="varying"), params)
@@ -110,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             in_shardings=(rep, rep, bsh), out_shardings=rep, donate_argnums=(0, 1),
         )  # fmt: skip
 
-    hand, hand_same = compile_hand(local_step), compile_hand(local_step_same_math)
+    # Hand-written: what a careful JAX user writes with shard_map.
+    hand, hand_same = models.reference_step(mean_loss, optimizer, mesh), compile_hand(local_step_same_math)
 
     # One device, whole batch.
     def single_step(params, opt_state, batch):

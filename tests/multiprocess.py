@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from jddp import net
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -34,7 +29,7 @@ def spawn(script: str, nprocs: int, devices_per_process: int, *args: str, **extr
     Each process gets ``JDDP_COORDINATOR``, ``JDDP_NUM_PROCESSES``,
     ``JDDP_PROCESS_ID`` and ``JDDP_LOCAL_DEVICES``, as ``jddp launch`` would set them.
     """
-    port = free_port()
+    port = net.free_port()
     procs = []
     for i in range(nprocs):
         env = environment(

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
+import jax
 import numpy as np
+import optax
 import pytest
 
+import jddp
+from jddp.benchmark import models, worker
 from jddp.cli import bench
 from jddp.cli import main as cli
 
@@ -93,22 +98,40 @@ def test_timeout_names_the_configuration():
 
 
 def test_local_program_check_rejects_collectives():
-    bench.check_no_collective("ROOT %add = f32[] add(%a, %b)")
+    worker.check_no_collective("ROOT %add = f32[] add(%a, %b)")
     with pytest.raises(RuntimeError, match=r"must have no collective.*'all-reduce': 1"):
-        bench.check_no_collective("%ar = f32[10] all-reduce(%g), replica_groups={{0,1}}")
+        worker.check_no_collective("%ar = f32[10] all-reduce(%g), replica_groups={{0,1}}")
 
 
-@pytest.mark.parametrize("model", bench.MODELS)
+@pytest.mark.parametrize("model", models.MODELS)
 def test_torch_twins_compute_the_same_logits(model):
     torch = pytest.importorskip("torch", reason="PyTorch is only in the optional `bench` extra")
     import numpy as np
 
     from benchmarks.peers import torch_models
 
-    params = bench.init_params(model)
-    x = bench.synthetic_batches(1, 16)[0]["x"]
-    expected = np.asarray(bench.forward(model, params, x))
+    params = models.init_params(model)
+    x = models.synthetic_batches(1, 16)[0]["x"]
+    expected = np.asarray(models.forward(model, params, x))
     with torch.no_grad():
         got = torch_models.build(model, params)(torch.from_numpy(x)).numpy()
-    assert expected.shape == (16, bench.CLASSES)
+    assert expected.shape == (16, models.CLASSES)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", models.MODELS)
+def test_reference_step_is_the_single_device_step(model):
+    """The hand-written step the benchmarks compare against: on equal slices its pmean of means is the global mean."""
+    mesh, optimizer = jddp.data_mesh(), optax.sgd(0.1)  # SGD: the update scales with the gradient, Adam's would not
+    loss = functools.partial(models.mean_loss, model)
+    params, batch = models.init_params(model), models.synthetic_batches(1, 8 * mesh.size)[0]
+    rep = jddp.replicated(mesh)
+    hand = jax.device_put(params, rep)
+    got = models.reference_step(loss, optimizer, mesh)(
+        hand, jax.jit(optimizer.init, out_shardings=rep)(hand), jax.device_put(batch, jddp.batch_sharding(mesh))
+    )
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    np.testing.assert_allclose(got[2], value, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(optax.apply_updates(params, updates)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jddp
-from jddp import exitcodes
+from jddp import exitcodes, net
 from tests import models, multiprocess
 
 pytestmark = pytest.mark.multiprocess
@@ -220,7 +220,7 @@ def run_initialize(timeout: float = 120, **env: str) -> tuple[subprocess.Complet
 
 
 def test_unreachable_coordinator_fails_within_the_timeout_with_a_python_error():
-    port = multiprocess.free_port()  # nobody listens there
+    port = net.free_port()  # nobody listens there
     done, seconds = run_initialize(JDDP_COORDINATOR=f"127.0.0.1:{port}", JDDP_NUM_PROCESSES="2", JDDP_PROCESS_ID="1")
     assert done.returncode == 0, done.stderr
     assert (
@@ -276,7 +276,7 @@ def ipv6_loopback() -> bool:
 
 @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
 def test_an_ipv6_coordinator_works():
-    port = multiprocess.free_port()
+    port = net.free_port()
     done = multiprocess.launch("-n", "2", "--coordinator", f"[::1]:{port}", GROUP, "hello")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[1] HELLO 1 [[0], [1]]" in done.stdout

@@ -29,6 +29,7 @@ LAYERS = {
     "jddp.models": "models",
     "jddp.logs": "fit",
     "jddp.loop": "fit",
+    "jddp.benchmark": "cli",  # the models and worker of `jddp bench`
     "jddp.cli": "cli",
     "jddp.launch": "cli",
     "jddp": "package",  # jddp/__init__.py: lazy re-exports of every layer

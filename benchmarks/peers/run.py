@@ -31,14 +31,17 @@ extra (``pip install -e ".[bench]"``, PyTorch's CPU build).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from jddp import net
+from jddp.benchmark import models
 
 VARIANTS = ("jddp", "jddp per-leaf", "jax", "torch")
 
@@ -53,12 +56,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
     p.add_argument("--json", default=None, help="also write the figures here")
     return p
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -78,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "--devices-per-process",
                 "1",
             ]
-            cmd += ["-m", "benchmarks.peers.run", "--worker", out, str(_free_port()), args.models]
+            cmd += ["-m", "benchmarks.peers.run", "--worker", out, str(net.free_port()), args.models]
             cmd += [str(args.global_batch_size), str(args.steps), str(args.rounds), str(args.torch_threads)]
             env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_")}  # XLA_FLAGS pass through
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
@@ -109,18 +106,13 @@ def _setup_jax(model: str, params: dict, batches: list[dict]):
     """jddp's and the hand-written JAX step, each as ``(step(carry, batch) -> (carry, loss), carry)``."""
     import jax
     import optax
-    from jax import lax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jddp
-    from jddp.cli import bench
 
     optimizer = optax.adamw(1e-3, weight_decay=1e-4)
-
-    def mean_loss(p, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(bench.forward(model, p, batch["x"]), batch["y"]).mean()
-
+    mean_loss = functools.partial(models.mean_loss, model)
     loss_fn = lambda p, s, b, r: (mean_loss(p, b), (s, {}))
     dp = jddp.DataParallel(loss_fn, optimizer, mesh=jddp.data_mesh())
     # jddp before its fused all-reduce: one all-reduce buffer per leaf.
@@ -129,16 +121,7 @@ def _setup_jax(model: str, params: dict, batches: list[dict]):
     # Hand-written, as a careful JAX user writes it: own mesh, one pmean.
     mesh = Mesh(jax.devices(), ("batch",))
     rep = NamedSharding(mesh, P())
-
-    def local_step(params, opt_state, batch):
-        varying = jax.tree.map(lambda x: lax.pcast(x, "batch", to="varying"), params)
-        loss, grads = jax.value_and_grad(mean_loss)(varying, batch)
-        loss, grads = lax.pmean((loss, grads), "batch")
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    mapped = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P("batch")), out_specs=P())
-    hand = jax.jit(mapped, donate_argnums=(0, 1))
+    hand = models.reference_step(mean_loss, optimizer, mesh)
     hand_params = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, rep, lambda i: a[i]), params)
     hand_carry = (hand_params, jax.jit(optimizer.init, out_shardings=rep)(hand_params))
 
@@ -180,9 +163,7 @@ def _bench_model(model: str, data: dict, steps: int, rounds: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from jddp.cli import bench
-
-    params = bench.init_params(model)
+    params = models.init_params(model)
     variants = {**_setup_jax(model, params, data["jddp"]), "torch": _setup_torch(model, params)}
     carries = {k: v[1] for k, v in variants.items()}
 
@@ -228,7 +209,7 @@ def _bench_model(model: str, data: dict, steps: int, rounds: int) -> dict:
     return figures
 
 
-def _worker(out: str, port: str, models: str, global_batch: str, steps: str, rounds: str, threads: str) -> None:
+def _worker(out: str, port: str, model_names: str, global_batch: str, steps: str, rounds: str, threads: str) -> None:
     import jddp
 
     jddp.initialize(verbose=False)
@@ -236,14 +217,12 @@ def _worker(out: str, port: str, models: str, global_batch: str, steps: str, rou
     import torch
     import torch.distributed as dist
 
-    from jddp.cli import bench
-
     nprocs, rank = jax.process_count(), jax.process_index()
     torch.set_num_threads(int(threads))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs)
     global_batch, steps, rounds = int(global_batch), int(steps), int(rounds)
     rows = global_batch // nprocs
-    host = bench.synthetic_batches(steps, global_batch)
+    host = models.synthetic_batches(steps, global_batch)
     sharding = jddp.batch_sharding(jddp.data_mesh())
     local = [{k: v[rank * rows : (rank + 1) * rows] for k, v in b.items()} for b in host]
     data = {
@@ -252,7 +231,7 @@ def _worker(out: str, port: str, models: str, global_batch: str, steps: str, rou
         "torch": [{"x": torch.from_numpy(b["x"]), "y": torch.from_numpy(b["y"]).long()} for b in local],
     }  # fmt: skip
     data["jax"] = data["jddp per-leaf"] = data["jddp"]
-    results = {model: _bench_model(model, data, steps, rounds) for model in models.split(",")}
+    results = {model: _bench_model(model, data, steps, rounds) for model in model_names.split(",")}
     dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:

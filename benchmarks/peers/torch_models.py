@@ -1,6 +1,6 @@
 """PyTorch twins of ``jddp bench``'s models, loaded with the same NumPy parameters.
 
-``jddp.cli.bench.init_params`` holds dense weights as ``(in, out)`` and
+``jddp.benchmark.models.init_params`` holds dense weights as ``(in, out)`` and
 convolution weights as ``(out, in, kernel)``; ``torch.nn.Linear`` wants
 ``(out, in)``, ``Conv1d`` the same ``(out, in, kernel)``.
 """
@@ -11,15 +11,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from jddp.cli import bench
+from jddp.benchmark import models
 
 
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.l0 = nn.Linear(bench.FEATURES, bench.HIDDEN)
-        self.l1 = nn.Linear(bench.HIDDEN, bench.HIDDEN)
-        self.l2 = nn.Linear(bench.HIDDEN, bench.CLASSES)
+        self.l0 = nn.Linear(models.FEATURES, models.HIDDEN)
+        self.l1 = nn.Linear(models.HIDDEN, models.HIDDEN)
+        self.l2 = nn.Linear(models.HIDDEN, models.CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
@@ -28,11 +28,11 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        c, k = bench.CHANNELS, bench.KERNEL
+        c, k = models.CHANNELS, models.KERNEL
         self.c0 = nn.Conv1d(1, c, k, padding=k // 2)
         self.c1 = nn.Conv1d(c, c, k, padding=k // 2)
         self.c2 = nn.Conv1d(c, c, k, padding=k // 2)
-        self.out = nn.Linear(c * bench.FEATURES, bench.CLASSES)
+        self.out = nn.Linear(c * models.FEATURES, models.CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x[:, None, :]
@@ -42,7 +42,7 @@ class CNN(nn.Module):
 
 
 def build(model: str, params: dict) -> nn.Module:
-    """The PyTorch module of ``model`` holding ``params`` (from ``bench.init_params``)."""
+    """The PyTorch module of ``model`` holding ``params`` (from ``models.init_params``)."""
     module = MLP() if model == "mlp" else CNN()
     with torch.no_grad():
         for name, leaf in params.items():

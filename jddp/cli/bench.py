@@ -19,7 +19,8 @@ pre-placed global batches, interleaved round by round in alternating order
 after ``--warmup`` steps:
 
 * ``jddp``: ``DataParallel.step`` with its defaults;
-* ``hand``: a hand-written ``jit(shard_map)`` step with one ``pmean``;
+* ``hand``: a hand-written ``jit(shard_map)`` step with one ``pmean``
+  (``jddp.benchmark.models.reference_step``);
 * ``local``: the same step without the ``pmean`` (no collective at all;
   checked in the compiled HLO): computation and update only.
 
@@ -33,7 +34,9 @@ it; at 1 device only the latter); jddp's step time over ``hand``'s; and compile
 time (the first ``DataParallel.step`` call, which includes one step). Output:
 a table on stdout, ``<output>.json`` and ``<output>.png``.
 
-The parent process imports no JAX.
+The models live in ``jddp.benchmark.models``; each process of a configuration
+runs ``python -m jddp.benchmark.worker``. This module is the command line and
+the parent process, which imports no JAX.
 """
 
 from __future__ import annotations
@@ -46,15 +49,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from typing import Any
 
 from jddp import validate
-
-MODELS = ("mlp", "cnn")
-FEATURES, CLASSES = 40, 10
-HIDDEN = 256
-CHANNELS, KERNEL = 32, 5
+from jddp.benchmark import models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +70,8 @@ class BenchConfig:
     timeout_s: float = 600.0  # per configuration
 
     def __post_init__(self):
-        if self.model not in MODELS:
-            raise ValueError(f"`model` must be one of {MODELS}, got model={self.model!r}.")
+        if self.model not in models.MODELS:
+            raise ValueError(f"`model` must be one of {models.MODELS}, got model={self.model!r}.")
         for name in ("devices", "processes"):
             values = getattr(self, name)
             if not values:
@@ -107,7 +104,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def get_args_parser() -> argparse.ArgumentParser:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="jddp bench", description="Throughput, scaling and latency of a jddp step.")
-    p.add_argument("--model", choices=MODELS, default=d.model, help="model to train (default mlp)")
+    p.add_argument("--model", choices=models.MODELS, default=d.model, help="model to train (default mlp)")
     p.add_argument("--devices", type=_ints, default=d.devices, help="total device counts (default 1,2,4,8)")
     p.add_argument("--processes", type=_ints, default=d.processes, help="process counts (default 1)")
     p.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="examples per device (64)")
@@ -125,179 +122,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(**{k: getattr(args, k) for k in fields}, timeout_s=args.timeout)
 
 
-# ----------------------------------------------------------------- models
-
-
-def init_params(model: str, seed: int = 0) -> dict:
-    """NumPy parameters of the benchmark models (the PyTorch twins in benchmarks/peers load these).
-
-    ``mlp``: dense 40-256-256-10 with ReLU. ``cnn``: three 1-D convolutions
-    (32 channels, kernel 5, same padding, ReLU; weights ``(out, in, kernel)``
-    as in PyTorch) over the 40 features, then dense 1280-10. Dense weights are
-    ``(in, out)``.
-    """
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-
-    def dense(a: int, b: int) -> dict:
-        return {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
-
-    def conv(cin: int) -> dict:
-        w = rng.normal(size=(CHANNELS, cin, KERNEL)) / np.sqrt(cin * KERNEL)
-        return {"w": w.astype(np.float32), "b": np.zeros(CHANNELS, np.float32)}
-
-    if model == "mlp":
-        return {"l0": dense(FEATURES, HIDDEN), "l1": dense(HIDDEN, HIDDEN), "l2": dense(HIDDEN, CLASSES)}
-    return {"c0": conv(1), "c1": conv(CHANNELS), "c2": conv(CHANNELS), "out": dense(CHANNELS * FEATURES, CLASSES)}
-
-
-def forward(model: str, params: dict, x):
-    """Logits ``(batch, 10)`` of ``x`` ``(batch, 40)`` in JAX."""
-    import jax
-    from jax import lax
-
-    if model == "mlp":
-        for i in range(3):
-            x = x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"][None, :]
-            x = jax.nn.relu(x) if i < 2 else x
-        return x
-    h = x[:, None, :]
-    for name in ("c0", "c1", "c2"):
-        pad = [(KERNEL // 2, KERNEL // 2)]
-        h = lax.conv_general_dilated(h, params[name]["w"], (1,), pad, dimension_numbers=("NCH", "OIH", "NCH"))
-        h = jax.nn.relu(h + params[name]["b"][None, :, None])
-    return h.reshape(h.shape[0], -1) @ params["out"]["w"] + params["out"]["b"][None, :]
-
-
-def synthetic_batches(steps: int, global_batch: int, seed: int = 1) -> list[dict]:
-    """``steps`` global batches of MNIST-1D shape: ``x`` float32 ``(global_batch, 40)``, ``y`` int32 labels."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return [
-        {"x": rng.normal(size=(global_batch, FEATURES)).astype(np.float32),
-         "y": rng.integers(0, CLASSES, global_batch).astype(np.int32)}
-        for _ in range(steps)
-    ]  # fmt: skip
-
-
-# ----------------------------------------------------------------- worker
-
-
-def check_no_collective(hlo: str) -> None:
-    """Raises ``RuntimeError`` if the compiled HLO text holds a collective."""
-    ops = {op: hlo.count(f"{op}(") for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
-    if any(ops.values()):
-        raise RuntimeError(f"The step without pmean must have no collective, but its compiled HLO has {ops}.")
-
-
-def worker(argv: list[str]) -> int:
-    """One configuration, in every process of the group; process 0 writes the raw timings to ``--out``."""
-    p = argparse.ArgumentParser(prog="jddp bench worker")
-    p.add_argument("--model", choices=MODELS, required=True)
-    p.add_argument("--out", required=True)
-    for name in ("batch_per_device", "steps", "warmup", "rounds"):
-        p.add_argument(f"--{name}", type=int, required=True)
-    args = p.parse_args(argv)
-
-    import jddp
-
-    jddp.initialize(verbose=False)
-    import jax
-    import numpy as np
-    import optax
-    from jax import lax
-    from jax.sharding import PartitionSpec as P
-
-    mesh, n, pc, pi = jddp.data_mesh(), jax.device_count(), jax.process_count(), jax.process_index()
-    rep, bsh = jddp.replicated(mesh), jddp.batch_sharding(mesh)
-    gb, rows = args.batch_per_device * n, args.batch_per_device * n // pc
-
-    def place(a, sharding):
-        if sharding is rep:
-            return jax.make_array_from_callback(a.shape, rep, lambda idx: a[idx])
-        return jax.make_array_from_process_local_data(bsh, a[pi * rows : (pi + 1) * rows], a.shape)
-
-    batches = [{k: place(v, bsh) for k, v in b.items()} for b in synthetic_batches(args.steps, gb)]
-    optimizer = optax.adamw(1e-3, weight_decay=1e-4)
-    params = init_params(args.model)
-
-    def mean_loss(params, batch):
-        logits = forward(args.model, params, batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    dp = jddp.DataParallel(lambda p, s, b, r: (mean_loss(p, b), (s, {})), optimizer, mesh=mesh)
-
-    def hand_program(reduce: bool):
-        def local_step(params, opt_state, batch):
-            if reduce:  # the gradient trap: differentiate varying params, then one explicit pmean
-                grads_at = jax.tree.map(lambda x: lax.pcast(x, jddp.DATA_AXIS, to="varying"), params)
-            loss, grads = jax.value_and_grad(mean_loss)(grads_at if reduce else params, batch)
-            if reduce:
-                loss, grads = lax.pmean((loss, grads), jddp.DATA_AXIS)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        specs = {"in_specs": (P(), P(), P(jddp.DATA_AXIS)), "out_specs": P(), "check_vma": reduce}
-        jitted = jax.jit(jax.shard_map(local_step, mesh=mesh, **specs), donate_argnums=(0, 1))
-        hand_params = jax.tree.map(lambda a: place(a, rep), params)
-        carry = (hand_params, jax.jit(optimizer.init, out_shardings=rep)(hand_params))
-        t = time.perf_counter()
-        compiled = jitted.lower(*carry, batches[0]).compile()
-        if not reduce:  # the comparison only means something if "local" has no collective
-            hlo = compiled.as_text()
-            if hlo is None:
-                raise RuntimeError("The backend gives no compiled HLO text to check for collectives.")
-            check_no_collective(hlo)
-        return compiled, carry, time.perf_counter() - t
-
-    hand, hand_carry, hand_compile_s = hand_program(True)
-    local, local_carry, _ = hand_program(False)
-    carries = {"jddp": dp.init(params), "hand": hand_carry, "local": local_carry}
-    programs = {
-        "jddp": lambda c, b: (dp.step(c, b)[0], None),
-        "hand": lambda c, b: (lambda r: (r[:2], r[2]))(hand(*c, b)),
-        "local": lambda c, b: (lambda r: (r[:2], r[2]))(local(*c, b)),
-    }
-
-    def run(name: str, steps: int, latencies: list | None = None) -> float:
-        """Runs ``steps`` steps of one program; returns ms per step (latencies: wait for each step)."""
-        carry, pending = carries[name], None
-        start = time.perf_counter()
-        for i in range(steps):
-            t = time.perf_counter()
-            carry, out = programs[name](carry, batches[i % len(batches)])
-            if latencies is not None:
-                jax.block_until_ready(carry)
-                latencies.append((time.perf_counter() - t) * 1e3)
-            elif pending is not None:  # at most 2 steps in flight, as jddp's dispatcher
-                jax.block_until_ready(pending)
-            pending = out
-        jax.block_until_ready(carry)
-        carries[name] = carry
-        return (time.perf_counter() - start) * 1e3 / steps
-
-    compile_s = run("jddp", 1) / 1e3
-    for name in programs:
-        run(name, max(args.warmup, 1))
-    times: dict[str, list[float]] = {k: [] for k in programs}
-    latencies: list[float] = []
-    names = list(programs)
-    for r in range(args.rounds):  # alternate the order so that no program always runs first
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(run(name, args.steps))
-        run("jddp", args.steps, latencies)
-    if pi == 0:
-        result: dict[str, Any] = {f"{k}_ms": v for k, v in times.items()}
-        grad_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
-        result.update(processes=pc, devices=n, global_batch=gb, latency_ms=latencies, compile_s=compile_s)
-        result.update(hand_compile_s=hand_compile_s, grad_bytes=grad_bytes)
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    return 0
-
-
 # ----------------------------------------------------------------- parent
 
 
@@ -305,7 +129,7 @@ def _run_configuration(config: BenchConfig, processes: int, devices: int) -> dic
     """Runs one configuration in fresh processes under ``jddp launch``; returns process 0's figures."""
     with tempfile.TemporaryDirectory(prefix="jddp-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
-        worker = ["-m", "jddp.cli.bench", "worker", "--model", config.model, "--out", out]
+        worker = ["-m", "jddp.benchmark.worker", "--model", config.model, "--out", out]
         worker += [f"--{k}={getattr(config, k)}" for k in ("batch_per_device", "steps", "warmup", "rounds")]
         cmd = [sys.executable, "-m", "jddp.launch", "-n", str(processes), "--term-timeout", "5"]
         cmd += ["--peer-timeout", "120"]  # a loaded machine can stall a process for a while (compiles)
@@ -447,9 +271,6 @@ def run(config: BenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["worker"]:
-        return worker(argv[1:])
     parser = get_args_parser()
     args = parser.parse_args(argv)
     try:

@@ -18,8 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from examples.mnist1d import train as example  # noqa: E402
 from jddp import models  # noqa: E402
+from tests import mnist1d  # noqa: E402
 
 
 def classification_metrics(logits, batch):
@@ -31,9 +31,8 @@ def classification_metrics(logits, batch):
 
 out, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 20
 optimizer = sys.argv[3] if len(sys.argv) > 3 else "adamw"
-config = example.Config(devices=0, num_samples=1000, hidden=64, global_batch_size=64)
-data = example.load_data(config)
-graphdef, params, model_state = example.make_model(config)
+data = mnist1d.load_data(num_samples=1000, seed=0)
+graphdef, params, model_state = mnist1d.mlp(hidden=64, seed=0)
 if jax.process_index() != 0:  # other seeds on other processes: init must broadcast process 0's values
     params = jax.tree.map(lambda x: np.asarray(x) + 1.0, params)
 dp = jddp.DataParallel(
