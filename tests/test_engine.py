@@ -403,6 +403,7 @@ def test_fused_psum_packs_small_leaves_and_leaves_large_ones_alone(mesh):
     rng = np.random.default_rng(0)
     tree = {
         "big": rng.normal(size=(N, 300, 1000)).astype(np.float32),  # 1.2 MB per device
+        "mid": rng.normal(size=(N, 200, 1000)).astype(np.float32),  # 0.8 MB per device: packed
         "w": rng.normal(size=(N, 3, 4)).astype(np.float32),
         "n": rng.integers(0, 9, size=(N,)).astype(np.int32),
         "s": rng.normal(size=(N,)).astype(np.float32),
@@ -419,4 +420,4 @@ def test_fused_psum_packs_small_leaves_and_leaves_large_ones_alone(mesh):
     np.testing.assert_array_equal(got["n"], tree["n"].sum(0))
     report = comm.CommReport.from_hlo(fused_fn.lower(tree).compile().as_text())
     operands = sorted(op for c in report.collectives for op in c.operands)
-    assert operands == [("f32", (13,)), ("f32", (300, 1000)), ("s32", (1,))]
+    assert operands == [("f32", (300, 1000)), ("f32", (200_013,)), ("s32", (1,))]

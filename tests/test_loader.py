@@ -144,6 +144,29 @@ def test_the_same_example_draws_new_randomness_every_epoch(shuffle):
     np.testing.assert_array_equal(epoch_noise(0), first)  # re-reading an epoch repeats it
 
 
+def jitter(batch, rng):
+    return {**batch, "x": batch["x"] + rng.normal(size=batch["x"].shape).astype(np.float32)}
+
+
+def test_batch_transform_gets_a_generator_of_seed_position_and_process():
+    """Its output is what the step sees; its rng repeats on a re-read and changes with the position."""
+    data = source(64)
+    sampler = DistributedBatchSampler(64, global_batch_size=16, seed=1, num_replicas=2, rank=1)
+    read = loader_lib._ReadBatch(data, sampler, None, jitter).batch
+    first, again, later = read(0), read(0), read(4)
+    np.testing.assert_array_equal(first["x"], again["x"])
+    rows = data["x"][sampler.local_batch(0).indices]
+    expected = rows + np.random.default_rng([1, 0, 1]).normal(size=rows.shape).astype(np.float32)
+    np.testing.assert_array_equal(first["x"], expected)
+    assert not np.array_equal(later["x"] - data["x"][sampler.local_batch(4).indices], first["x"] - rows)
+
+
+def test_plain_arrays_and_records_are_read_as_x():
+    x = np.arange(10, dtype=np.float32)
+    np.testing.assert_array_equal(loader_lib.read(x, np.array([3, 1]))["x"], [3.0, 1.0])
+    np.testing.assert_array_equal(loader_lib.read(list(x), np.array([2]))["x"], [2.0])
+
+
 class CountingSource:
     """A Grain-style random-access source that counts its reads."""
 
