@@ -32,6 +32,8 @@ _EXPORTS = {
     "masked_mean": "jddp.engine.reduce",
     "TrainState": "jddp.runtime.state",
     "Checkpointer": "jddp.checkpoint",
+    "CheckpointError": "jddp.checkpoint",
+    "CheckpointLeaseError": "jddp.checkpoint",
     "CheckpointWarning": "jddp.checkpoint",
     "fit": "jddp.loop",
     "FitResult": "jddp.loop",
@@ -42,6 +44,8 @@ __all__ = [
     "DATA_AXIS",
     "EXIT_PEER_LOST",
     "EXIT_PREEMPTED",
+    "CheckpointError",
+    "CheckpointLeaseError",
     "CheckpointWarning",
     "Checkpointer",
     "CommReport",
@@ -87,7 +91,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from jddp import config, data, models
-    from jddp.checkpoint import Checkpointer, CheckpointWarning
+    from jddp.checkpoint import Checkpointer, CheckpointError, CheckpointLeaseError, CheckpointWarning
     from jddp.engine.comm import CommReport
     from jddp.engine.parallel import DataParallel, NonFiniteError
     from jddp.engine.reduce import Weighted, masked_mean

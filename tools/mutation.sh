@@ -15,7 +15,7 @@
 #   jddp/checkpoint/digest.py, jddp/config.py      every function
 # Only with +step: jddp/engine/step.py, varying.split_varying and DataParallel.step (about 400
 # mutants whose every survivor runs about 90 s of engine tests: an hour more). Only with +restore:
-# Checkpointer.restore_or_init, _try_restore, _check_compatible, _read_meta, _set_aside (about 280
+# Checkpointer.restore_or_init and jddp/checkpoint/restore.py (about 280
 # mutants at about 7 s: half an hour more). Other files are never mutated (only_mutate).
 #
 # Tests: tests/test_{engine,sampler,loader,checkpoint,config,errors}.py without the `multiprocess`
@@ -63,8 +63,7 @@ DEFAULT=(
 STEP=('jddp.engine.step.*' 'jddp.engine.varying.x_split_varying__mutmut_*'
   'jddp.engine.parallel.xǁDataParallelǁstep__mutmut_*')
 C=jddp.checkpoint.checkpointer.xǁCheckpointerǁ
-RESTORE=("${C}restore_or_init__mutmut_*" "${C}_try_restore__mutmut_*" "${C}_check_compatible__mutmut_*"
-  "${C}_read_meta__mutmut_*" "${C}_set_aside__mutmut_*")
+RESTORE=("${C}restore_or_init__mutmut_*" "jddp.checkpoint.restore.*")
 
 PATTERNS=()
 EXTRA=()

@@ -53,6 +53,33 @@ Guarantees:
   instead, turn the warning into an error
   (``warnings.simplefilter("error", jddp.CheckpointWarning)``): it is raised
   before the step is set aside, so every relaunch stops at it.
+* **One writer per directory.** A writing ``Checkpointer`` holds the lease
+  ``<directory>/jddp.lease`` (owner, host, pid; its modification time is a
+  heartbeat) from its construction to ``close``; in a group, process 0 holds
+  it for all. A second writer (a relaunch beside the running job, a notebook)
+  gets ``CheckpointLeaseError`` naming the owner before it touches anything
+  (Orbax's start-up clean-up would delete the first writer's save in flight).
+  A lease whose owner was a process of this host that no longer runs is taken
+  over at once; one from another host once its heartbeat is
+  ``lease_timeout_s`` old (60 s). A writer that froze that long and lost its
+  lease raises at its next save instead of writing beside the new owner.
+  ``gs://`` and ``s3://`` directories go to Orbax's own path handling and take
+  no lease (an object store has no atomic create there).
+* **Readers.** ``Checkpointer(directory, read_only=True)`` (an evaluator, a
+  notebook) restores the newest complete step while a trainer writes: it reads
+  the directory afresh each time, skips a step that the writer's retention
+  removed meanwhile, never saves, never cleans up, never renames a damaged
+  step, takes no lease and leaves SIGTERM alone.
+* **Failed writes.** A write that fails (disk full, the directory removed or
+  made read-only) raises ``CheckpointError`` once, naming the directory, the
+  steps lost, the cause and the newest intact step; Orbax's own error logs of
+  it are dropped (its error is the ``__cause__``). The failed steps are not
+  counted as saved: the next ``save`` writes the step again. ``save``,
+  ``maybe_save`` and ``restore_or_init`` after ``close`` raise
+  ``CheckpointError``; ``close`` twice is fine.
+* **No loader position.** A checkpoint saved without a loader, restored with
+  one, is not damage: the state is restored, the loader starts from its
+  beginning, and a ``CheckpointWarning`` says so.
 * **Any topology.** The state is restored into the shardings of the ``state``
   passed to ``restore_or_init`` (Orbax reshards), and the loader continues the
   same global batch sequence on any process count.
@@ -76,13 +103,17 @@ Guarantees:
 
 from jddp.checkpoint.checkpointer import DAMAGED_SUFFIX as DAMAGED_SUFFIX
 from jddp.checkpoint.checkpointer import Checkpointer as Checkpointer
-from jddp.checkpoint.checkpointer import CheckpointWarning as CheckpointWarning
 from jddp.checkpoint.digest import config_fingerprint as config_fingerprint
 from jddp.checkpoint.digest import digest_array as digest_array
 from jddp.checkpoint.digest import state_digests as state_digests
+from jddp.checkpoint.errors import CheckpointError as CheckpointError
+from jddp.checkpoint.errors import CheckpointLeaseError as CheckpointLeaseError
+from jddp.checkpoint.errors import CheckpointWarning as CheckpointWarning
 
 __all__ = (
     "DAMAGED_SUFFIX",
+    "CheckpointError",
+    "CheckpointLeaseError",
     "CheckpointWarning",
     "Checkpointer",
     "config_fingerprint",

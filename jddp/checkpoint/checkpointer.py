@@ -2,23 +2,20 @@
 
 About 450 lines, over the ~400 of the style guide: saving and restoring share one
 Orbax manager, its writer thread and the step bookkeeping (the last step saved,
-a failed write reopening the manager), and split apart they would pass that
-state back and forth; digests, the hand-over of buffers and preemption are in
-modules of their own.
+the steps not yet known written, a failed write reopening the manager), and
+split apart they would pass that state back and forth. What does not share it
+is in modules of their own: digests, the hand-over of buffers, preemption, the
+lease, the directory's checks and messages (``storage``) and reading one step
+back (``restore``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
-import gc
-import json
 import os
-import shutil
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,20 +24,11 @@ import orbax.checkpoint as ocp
 
 from jddp import exitcodes, validate
 from jddp._version import __version__
-from jddp.checkpoint import digest, handoff, preemption
+from jddp.checkpoint import digest, handoff, lease, preemption, restore, storage
+from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
+from jddp.checkpoint.restore import DAMAGED_SUFFIX, LOADER, META, STATE
 from jddp.runtime import dispatch
 from jddp.runtime.state import TrainState
-
-STATE, LOADER, META = "state", "loader", "meta"
-DAMAGED_SUFFIX = ".damaged"
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint could not be used (damaged): an older one is used instead, or, when none is left, none."""
-
-
-def _as_dict(state: TrainState) -> dict[str, Any]:
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
 class Checkpointer:
@@ -64,8 +52,18 @@ class Checkpointer:
         converted to steps) the processes exchange preemption notices: the
         longest a SIGTERM waits before the save starts, plus one step. Each
         exchange is one small all-gather; 0 exchanges at every step.
+      read_only: for evaluators and notebooks beside a training run: restores
+        the newest complete step (reading the directory afresh each time),
+        never saves, never cleans up, never sets a damaged step aside, and
+        takes no lease. The directory may not exist yet.
+      lease_timeout_s: a writer holds ``<directory>/jddp.lease`` while open
+        (``jddp.checkpoint.lease``); another writer is refused until the
+        lease's heartbeat is this old, or at once when its owner was a
+        process of this host that no longer runs.
 
     Raises:
+      CheckpointLeaseError: if another run writes to ``directory``.
+      NotADirectoryError: if ``directory`` or one of its parents is a file.
       PermissionError: if ``directory`` cannot be created or written.
       ValueError: for bad options.
     """
@@ -82,57 +80,79 @@ class Checkpointer:
         exit_on_preemption: bool = True,
         timeout_s: int = 600,
         preemption_check_s: float = 1.0,
+        read_only: bool = False,
+        lease_timeout_s: float = 60.0,
     ) -> None:
         validate.check_int("save_every", save_every, optional=True)
         validate.check_int("max_to_keep", max_to_keep, optional=True)
-        if (
-            isinstance(preemption_check_s, bool)
-            or not isinstance(preemption_check_s, int | float)
-            or not (0 <= preemption_check_s < float("inf"))
+        for name, value, low in (
+            ("preemption_check_s", preemption_check_s, 0),
+            ("lease_timeout_s", lease_timeout_s, 1),
         ):
-            raise ValueError(f"`preemption_check_s` must be a finite number >= 0, got {preemption_check_s!r}.")
-        self.directory = Path(directory).absolute()
-        self._check_writable()
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (low <= value < float("inf")):
+                raise ValueError(f"`{name}` must be a finite number >= {low}, got {name}={value!r}.")
+        if not isinstance(read_only, bool):
+            raise TypeError(f"`read_only` must be True or False, got read_only={read_only!r}.")
+        if read_only and save_every is not None:
+            raise ValueError(
+                f"A read-only Checkpointer never saves, got save_every={save_every}. Drop save_every, or open it "
+                "for writing."
+            )
+        self.directory = storage.resolve(directory)
+        self.read_only = read_only
+        self._lease: lease.Lease | None = None
+        self._closed = False
+        if not read_only:
+            storage.check_writable(self.directory)
+            self._lease = lease.take(self.directory, float(lease_timeout_s))
         self.save_every, self.max_to_keep = save_every, max_to_keep
         self.fingerprint, self.config = digest.config_fingerprint(config)
         self.allow_config_change = allow_config_change
         self.exit_on_preemption = exit_on_preemption
         self.preempted = False
         self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            create=True,
-            cleanup_tmp_directories=True,
-            enable_async_checkpointing=async_save,
+            max_to_keep=None if read_only else max_to_keep,
+            create=not read_only,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=async_save and not read_only,
             async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
         )
-        self._manager = self._open()
+        try:
+            self._manager = self._open()
+        except BaseException:
+            self._give_back_lease()
+            raise
+        storage.OrbaxErrorLogs.hold()
         # Alone on CPU, Orbax's blocking part of an async save (an event loop, several threads started, the
         # copy as views) runs in this thread while training goes on; the caller only pins the buffers.
         self._writer = None
-        if async_save and jax.process_count() == 1:
+        if async_save and not read_only and jax.process_count() == 1:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-checkpoint")
             self._writer.submit(lambda: None)  # starts its thread now, not during the first save
         self._pending: concurrent.futures.Future | None = None
-        self._preemption = preemption.Preemption(float(preemption_check_s))
+        # A reader never saves, so it leaves SIGTERM alone.
+        self._preemption = None if read_only else preemption.Preemption(float(preemption_check_s))
         self._step: int | None = None  # host-side step, the same on every process
         self._last_saved: int | None = None
+        self._unconfirmed: list[int] = []  # steps handed to Orbax and not yet known written
         self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0}
         self.damaged: list[tuple[int, str]] = []  # (step, reason) of each checkpoint set aside by a restore
 
     # ---------------------------------------------------------------- basics
 
-    def _check_writable(self) -> None:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / f".jddp-write-probe-{jax.process_index()}-{os.getpid()}"
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as error:
-            raise PermissionError(
-                f"Checkpoint directory {str(self.directory)!r} is not writable by process {jax.process_index()} "
-                f"({error.strerror or error}). Choose a directory this user can write (on a file system every "
-                "process sees), or fix its permissions."
-            ) from None
+    def _give_back_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def _check_open(self, action: str) -> None:
+        if self._closed:
+            raise CheckpointError(
+                f"Cannot {action}: this Checkpointer of {str(self.directory)!r} is closed. Open a new "
+                f"jddp.Checkpointer({str(self.directory)!r}) (a `with` block closes it at its end)."
+            )
 
     def _open(self):
         handlers = {
@@ -143,8 +163,10 @@ class Checkpointer:
         return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
 
     def all_steps(self) -> list[int]:
-        """Steps with a published checkpoint, oldest first."""
+        """Steps with a published checkpoint, oldest first (read afresh from the directory when read-only)."""
         self._join()
+        if self.read_only:
+            self._manager.reload()
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -159,14 +181,25 @@ class Checkpointer:
         Every process must call it. With ``wait`` (or ``async_save=False``) it
         returns when the checkpoint is published.
         """
+        self._check_open("save")
+        if self.read_only:
+            raise CheckpointError(
+                f"This Checkpointer of {str(self.directory)!r} is read-only (read_only=True): it never saves. Open "
+                "one without read_only in the training run."
+            )
         if not isinstance(state, TrainState):
             raise TypeError(f"`state` must be a jddp.TrainState, got {type(state).__name__}.")
+        if loader is not None and not callable(getattr(loader, "get_state", None)):
+            raise TypeError(
+                f"`loader` must be a jddp.data.DataLoader (something with get_state), got {type(loader).__name__}."
+            )
+        lease.check_held(self._lease, self.directory)
         dispatch.DISPATCHER.drain()
         self._join()  # one save at a time, as Orbax keeps it
         with self._write_errors():
             self._manager.check_for_errors()  # a background write that has failed by now
         start = time.perf_counter()
-        tree = _as_dict(state)
+        tree = restore.as_dict(state)
         step = int(jax.device_get(state.step))
         self._step = step
         # Saved already (a resumed run's final save): skip on every process if any process sees the step, so
@@ -191,6 +224,7 @@ class Checkpointer:
         if loader is not None:
             items[LOADER] = ocp.args.JsonSave(loader.get_state())
         digests = meta["digests"]
+        self._unconfirmed.append(step)
         try:
             if self._writer is not None and handoff.on_cpu(saved):
                 digests.set_result(digest.digest_array(tree))
@@ -199,7 +233,8 @@ class Checkpointer:
             else:
                 if not self._options.enable_async_checkpointing:
                     digests.set_result(digest.digest_array(tree))
-                self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+                with self._write_errors():
+                    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
                 if not digests.done():
                     digests.set_result(digest.digest_array(tree))  # dispatched before any later step can donate `tree`
         except BaseException as error:
@@ -233,17 +268,26 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _write_errors(self):
-        """Around a call that may raise a failed write's error: the step is then not saved, and, alone, the
-        manager is opened afresh (Orbax keeps raising a failed write until its next save; opening cleans the
-        failed step's temporary directory), so that the error is raised once and a retry writes the step."""
+        """Around a call that may raise a failed write's error.
+
+        The step is then not saved; alone, the manager is opened afresh (Orbax keeps raising a failed write until
+        its next save; opening cleans the failed step's temporary directory), so that the error is raised once and
+        a retry writes the step. Orbax's error becomes a ``CheckpointError`` naming the directory, the step and
+        what to do (Orbax's own error is its ``__cause__``).
+        """
         try:
             yield
-        except BaseException:
-            self._last_saved = None
+        except BaseException as error:
+            failed = [s for s in self._unconfirmed if not (self.directory / str(s)).exists()]
+            self._unconfirmed, self._last_saved = [], None
             if jax.process_count() == 1:
                 with contextlib.suppress(BaseException):
                     self._manager.close()
                 self._manager = self._open()
+            if isinstance(error, Exception) and not isinstance(error, CheckpointError):
+                raise CheckpointError(
+                    storage.write_failure(self.directory, failed, list(self._manager.all_steps()), error)
+                ) from error
             raise
 
     def maybe_save(self, state: TrainState, loader=None) -> bool:
@@ -262,11 +306,15 @@ class Checkpointer:
           SystemExit: with ``EXIT_PREEMPTED`` (75) after the preemption save,
             unless ``exit_on_preemption=False``.
         """
+        self._check_open("save")
         if self._step is None:
             self._step = int(jax.device_get(state.step))
         else:
             self._step += 1
         step = self._step
+        if self.read_only:
+            self.save(state, loader)  # raises: read-only
+        assert self._preemption is not None
         if not self.preempted and self._preemption.reached(step):
             self.save(state, loader, wait=True)
             self.preempted = True
@@ -280,20 +328,32 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Waits until every started save is published; raises the error of a failed one."""
+        if self._closed:
+            return
         self._join()
         with self._write_errors():
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
+        self._unconfirmed = []
 
     def close(self) -> None:
-        """Waits for the last save and releases Orbax's resources (and SIGTERM, when the last one closes)."""
-        self._preemption.close()
+        """Waits for the last save and releases Orbax's resources, the lease and (when the last one closes) SIGTERM.
+
+        Closing again does nothing; a save after closing is an error.
+        """
+        if self._closed:
+            return
+        if self._preemption is not None:
+            self._preemption.close()
         try:
             self.wait()
         finally:
+            self._closed = True
             self._manager.close()
             if self._writer is not None:
                 self._writer.shutdown()
+            self._give_back_lease()
+            storage.OrbaxErrorLogs.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -321,37 +381,55 @@ class Checkpointer:
             leaf whose path, shape or dtype differs) or another config (unless
             ``allow_config_change``), or another data setup (the loader says which).
         """
+        self._check_open("restore")
         if not isinstance(state, TrainState):
             raise TypeError(f"`state` must be a jddp.TrainState from DataParallel.init, got {type(state).__name__}.")
+        if loader is not None and not callable(getattr(loader, "set_state", None)):
+            raise TypeError(
+                f"`loader` must be a jddp.data.DataLoader (something with set_state), got {type(loader).__name__}."
+            )
         dispatch.DISPATCHER.drain()
         start = time.perf_counter()
         failures = []
         restored = None
-        for step in reversed(self.all_steps()):
-            meta, reason = self._read_meta(step)
+        tried: set[int] = set()
+        while restored is None:
+            # Read-only, the list is read afresh after a failure: the writer's retention may have removed the step.
+            candidates = [s for s in reversed(self.all_steps()) if s not in tried]
+            if not candidates:
+                break
+            step = candidates[0]
+            tried.add(step)
+            meta, reason = restore.read_meta(self.directory, step)
             if meta is not None:
-                self._check_compatible(step, meta, state)  # a wrong model or config is an error, not damage
-                result, reason = self._try_restore(step, meta, state, loader)
-            ok = preemption.all_agree(reason is None)
-            if ok:
+                restore.check_compatible(self, step, meta, state)  # a wrong model or config is an error, not damage
+                result, reason = restore.try_restore(self._manager, self.directory, step, meta, state, loader)
+            if preemption.all_agree(reason is None):
                 restored = result
                 break
+            if self.read_only and not (self.directory / str(step)).exists():
+                continue  # removed by the writer's max_to_keep meanwhile: not damage
             reason = reason or "damaged on another process"
             failures.append((step, reason))
+            what = "leaving it in place (read-only)" if self.read_only else f"moving it to {step}{DAMAGED_SUFFIX}"
             warnings.warn(
-                f"Checkpoint step {step} in {self.directory} cannot be used ({reason}); moving it to "
-                f"{step}{DAMAGED_SUFFIX} and trying the previous one.",
+                f"Checkpoint step {step} in {self.directory} cannot be used ({reason}); {what} and trying the "
+                "previous one.",
                 CheckpointWarning,
                 stacklevel=2,
             )
-            self._set_aside(step)
+            if not self.read_only:
+                restore.set_aside(self.directory, step)
+                self._manager = self._open()
         self.damaged.extend(failures)
         if restored is None and failures:
             listed = "; ".join(f"step {s}: {r}" for s, r in failures)
+            kept = (
+                "They are left in place (read-only)" if self.read_only else f"They are kept as <step>{DAMAGED_SUFFIX}"
+            )
             warnings.warn(
-                f"No checkpoint in {self.directory} can be loaded ({listed}). They are kept as "
-                f"<step>{DAMAGED_SUFFIX}; training starts again from the state passed in, at step "
-                f"{int(jax.device_get(state.step))}.",
+                f"No checkpoint in {self.directory} can be loaded ({listed}). {kept}; training starts again from "
+                f"the state passed in, at step {int(jax.device_get(state.step))}.",
                 CheckpointWarning,
                 stacklevel=2,
             )
@@ -362,93 +440,16 @@ class Checkpointer:
         new_state, loader_state, step = restored
         if loader is not None and loader_state is not None:
             loader.set_state(loader_state)
+        elif loader is not None:
+            warnings.warn(
+                f"Checkpoint step {step} in {self.directory} has no data loader position (it was saved without a "
+                "loader): the model, optimizer state and RNG are restored, and the loader starts from its "
+                "beginning. Pass the loader to save/maybe_save to save its position.",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         self._step = self._last_saved = step
         return (new_state, loader) if loader is not None else new_state
-
-    def _read_meta(self, step: int) -> tuple[dict | None, str | None]:
-        path = self.directory / str(step) / META / "metadata"
-        try:
-            return json.loads(path.read_text()), None
-        except FileNotFoundError:
-            return None, f"its metadata file {path.relative_to(self.directory)} is missing"
-        except (OSError, ValueError) as error:
-            return None, f"its metadata cannot be read ({type(error).__name__}: {error})"
-
-    def _check_compatible(self, step: int, meta: dict, state: TrainState) -> None:
-        mine = digest.describe_leaves(_as_dict(state))
-        theirs = meta.get("leaves", [])
-        differ = [(a, b) for a, b in zip(theirs, mine, strict=False) if a != b]
-        differ.sort(key=lambda pair: not pair[1][0].startswith("['params']"))  # name a parameter first
-        if differ:
-            a, b = differ[0]
-            raise ValueError(
-                f"Checkpoint step {step} in {self.directory} holds another model: its leaf {a[0]} has shape "
-                f"{tuple(a[1])} and dtype {a[2]}, but the state here has {b[0]} with shape {tuple(b[1])} and dtype "
-                f"{b[2]}. Restore into the model that was saved, or use another directory."
-            )
-        if len(theirs) != len(mine):
-            raise ValueError(
-                f"Checkpoint step {step} in {self.directory} holds another model: {len(theirs)} state leaves saved, "
-                f"{len(mine)} here. Restore into the model that was saved, or use another directory."
-            )
-        if self.fingerprint and meta.get("config_fingerprint") and meta["config_fingerprint"] != self.fingerprint:
-            saved = meta.get("config", {})
-            keys = sorted(k for k in set(saved) | set(self.config) if saved.get(k) != self.config.get(k))
-            changes = ", ".join(f"{k}: {saved.get(k)!r} -> {self.config.get(k)!r}" for k in keys) or "(details unknown)"
-            message = (
-                f"Checkpoint step {step} in {self.directory} was saved with another config ({changes}). "
-                "Pass allow_config_change=True to resume with the new config anyway, or use another directory."
-            )
-            if not self.allow_config_change:
-                raise ValueError(message)
-            warnings.warn(message, CheckpointWarning, stacklevel=3)
-
-    def _try_restore(self, step: int, meta: dict, state: TrainState, loader) -> tuple[Any, str | None]:
-        target = _as_dict(state)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
-        items: dict[str, ocp.args.CheckpointArgs] = {STATE: ocp.args.StandardRestore(abstract)}
-        has_loader = (self.directory / str(step) / LOADER).exists()
-        if loader is not None and has_loader:
-            items[LOADER] = ocp.args.JsonRestore()
-        # A restore that fails inside Orbax leaves coroutines never awaited; their RuntimeWarnings (at once or
-        # when collected) are noise of Orbax's failure path, so they are collected here, under this filter.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-            failure = None
-            try:
-                result = self._manager.restore(step, args=ocp.args.Composite(**items))
-                leaves = jax.tree.leaves(result[STATE])
-                tree = jax.tree.unflatten(jax.tree.structure(target), leaves)
-            except Exception as error:  # Orbax raises many types for damaged files
-                text = str(error).splitlines()[0] if str(error) else ""
-                failure = f"restore failed: {type(error).__name__}: {text[:300]}"
-            if failure is not None:
-                gc.collect()  # the error and its frames are gone: Orbax's leftovers go now, under the filter
-                return None, failure
-        digests = digest.state_digests(tree)
-        bad = [d[0] for d, got, want in zip(meta["leaves"], digests, meta["digests"], strict=True) if got != want]
-        if bad:
-            return None, f"digest mismatch in {len(bad)} leaf(s), first {bad[0]}"
-        if loader is not None and not has_loader:
-            return None, "it has no data loader position"
-        new_state = TrainState(**tree)
-        return (new_state, result[LOADER] if LOADER in items else None, step), None
-
-    def _set_aside(self, step: int) -> None:
-        if jax.process_index() == 0:
-            source = self.directory / str(step)
-            target = self.directory / f"{step}{DAMAGED_SUFFIX}"
-            n = 1
-            while target.exists():
-                n += 1
-                target = self.directory / f"{step}{DAMAGED_SUFFIX}{n}"
-            if source.exists():
-                shutil.move(source, target)
-        if jax.process_count() > 1:
-            from jddp.runtime import distributed
-
-            distributed.barrier(f"checkpoint-set-aside-{step}", timeout_s=120)
-        self._manager = self._open()
 
 
 def _orbax_version() -> str:

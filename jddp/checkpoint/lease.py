@@ -1,0 +1,241 @@
+"""One writer per checkpoint directory: a lease file that a second writer refuses.
+
+Orbax assumes one writer: a second ``CheckpointManager`` opened on a directory
+(an evaluator, a notebook, a relaunch beside the old run) removes the first
+one's in-flight ``<step>.orbax-checkpoint-tmp`` at start-up, and the first
+run's save fails. A writing ``Checkpointer`` therefore takes a lease before it
+opens Orbax's manager, and readers use ``read_only=True``, which takes none.
+
+The lease is ``<directory>/jddp.lease``, created with ``O_EXCL`` (atomic on
+local file systems and on NFS v3 and later). Its content names the owner (a
+random id, host, pid, the process's start time, jddp's group size, when it was
+taken); its modification time is the heartbeat, refreshed by a daemon thread
+every ``timeout_s / 6`` seconds. A heartbeat only touches the file, so a
+writer that lost its lease never overwrites the new owner's content.
+
+A lease is stale, and is taken over, when its owner is a process of this host
+that no longer runs (pid gone, or reused by a process started at another
+time), or when its heartbeat is older than ``timeout_s`` (an owner on another
+host that died, or froze for that long). Take-over renames the stale file
+aside (``rename`` is atomic: of two writers taking over at once, one renames
+and the other finds no file) and creates a new one with ``O_EXCL``. A writer
+whose lease was taken over (it froze past the timeout) finds out at its next
+save and raises instead of writing beside the new owner.
+
+In a group only process 0 takes the lease; the others follow its decision,
+agreed by a collective in ``Checkpointer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from jddp.checkpoint.errors import CheckpointLeaseError
+
+FILENAME = "jddp.lease"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[19]  # field 22 of stat; the first two (pid, comm) are cut off above
+    except (OSError, IndexError):
+        return None
+
+
+def _pid_alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return started is None or _start_time(pid) in (None, started)
+
+
+def describe(owner: dict, age_s: float | None = None) -> str:
+    """The owner as a user reads it: pid 1234 on host-a (since 12:03:04, heartbeat 3 s ago)."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("taken", 0)))
+    text = f"pid {owner.get('pid')} on {owner.get('host')!r}"
+    if owner.get("processes", 1) > 1:
+        text += f" (process 0 of {owner['processes']})"
+    text += f", since {since}"
+    if age_s is not None:
+        text += f", last heartbeat {age_s:.0f} s ago"
+    return text
+
+
+class Lease:
+    """The lease on ``directory``, taken by ``acquire`` and given back by ``release``."""
+
+    def __init__(self, directory: Path, *, timeout_s: float, processes: int = 1) -> None:
+        self.path = directory / FILENAME
+        self.timeout_s = timeout_s
+        pid = os.getpid()
+        self.owner = {
+            "id": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": pid,
+            "started": _start_time(pid),
+            "processes": processes,
+            "taken": time.time(),
+        }
+        self.lost: str | None = None  # why this lease is no longer ours, once the heartbeat finds out
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- reading
+
+    def read(self) -> tuple[dict | None, float | None]:
+        """The current owner and the heartbeat's age in seconds; (None, None) without a lease file."""
+        try:
+            age = max(time.time() - self.path.stat().st_mtime, 0.0)
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None, None
+        try:
+            owner = json.loads(text)
+        except ValueError:
+            owner = None
+        # Being written (created, not yet filled) or damaged: judged by its heartbeat alone.
+        return (owner if isinstance(owner, dict) else {}), age
+
+    def stale_reason(self, owner: dict, age_s: float | None) -> str | None:
+        """Why the lease of ``owner`` may be taken over, or None while it is live."""
+        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+            if not _pid_alive(owner["pid"], owner.get("started")):
+                return f"its owner, pid {owner['pid']} on this host, no longer runs"
+        if age_s is not None and age_s > self.timeout_s:
+            return f"its heartbeat is {age_s:.0f} s old (stale after {self.timeout_s:g} s)"
+        return None
+
+    # ---------------------------------------------------------------- taking and giving back
+
+    def acquire(self) -> None:
+        """Takes the lease, taking over a stale one; raises ``CheckpointLeaseError`` while another holds it."""
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner, age = self.read()
+                if owner is None:
+                    continue  # released meanwhile
+                reason = self.stale_reason(owner, age)
+                if reason is None:
+                    raise CheckpointLeaseError(self._refusal(owner, age)) from None
+                aside = self.path.with_name(f"{FILENAME}.stale-{self.owner['id']}")
+                try:
+                    os.rename(self.path, aside)  # atomic: of two writers taking over, one wins
+                except FileNotFoundError:
+                    continue
+                aside.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.owner, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self._thread = threading.Thread(target=self._beat, name="jddp-checkpoint-lease", daemon=True)
+            self._thread.start()
+            return
+        raise CheckpointLeaseError(
+            f"Could not take the lease {self.path}: other writers keep taking it. Run one writer per directory."
+        )
+
+    def _refusal(self, owner: dict, age_s: float | None) -> str:
+        directory = self.path.parent
+        return (
+            f"Checkpoint directory {str(directory)!r} is being written by another run: {describe(owner, age_s)}. "
+            "Two writers on one directory delete each other's checkpoints. To read its checkpoints while it "
+            f"trains, open it with jddp.Checkpointer({str(directory)!r}, read_only=True); to write, stop that run "
+            f"or choose another directory. If no run owns it any more, its lease becomes stale "
+            f"{self.timeout_s:g} s after its last heartbeat, or delete {str(self.path)!r}."
+        )
+
+    def check(self) -> None:
+        """Raises ``CheckpointLeaseError`` if another writer has taken this lease over."""
+        if self.lost is None:
+            owner, age = self.read()
+            if owner is None or owner.get("id") != self.owner["id"]:
+                self.lost = "its lease file is gone" if owner is None else f"it is now held by {describe(owner, age)}"
+        if self.lost is not None:
+            raise CheckpointLeaseError(
+                f"This run no longer holds the lease on checkpoint directory {str(self.path.parent)!r}: "
+                f"{self.lost}. Its heartbeat stopped for longer than {self.timeout_s:g} s (the process was "
+                "stopped or frozen) and another writer took over. Nothing more is saved by this run; stop one "
+                "of the two runs."
+            )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.timeout_s / 6):
+            owner, _ = self.read()
+            if owner is None or owner.get("id") != self.owner["id"]:
+                self.lost = "its lease file is gone" if owner is None else f"it is now held by {describe(owner)}"
+                return
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # a transient failure; a lasting one shows as a stale heartbeat to others
+
+    def release(self) -> None:
+        """Gives the lease back (deletes the file if it is still ours)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            owner, _ = self.read()
+            if owner is not None and owner.get("id") == self.owner["id"]:
+                self.path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- in a group
+
+
+def take(directory, timeout_s: float) -> Lease | None:
+    """Process 0 takes ``directory``'s lease; every process learns the outcome (one all-gather in a group).
+
+    Returns the lease on process 0, None elsewhere and for remote directories (``gs://``, ``s3://``: an object
+    store has no atomic create through Orbax's paths, so one writer per directory is the user's to keep there).
+    """
+    import jax
+
+    from jddp.checkpoint import preemption
+
+    held, refusal = None, None
+    if jax.process_index() == 0 and "://" not in str(directory):
+        held = Lease(Path(directory), timeout_s=timeout_s, processes=jax.process_count())
+        try:
+            held.acquire()
+        except CheckpointLeaseError as error:
+            held, refusal = None, error
+    if not preemption.all_agree(refusal is None):
+        if held is not None:
+            held.release()
+        raise refusal or CheckpointLeaseError(
+            f"Checkpoint directory {str(directory)!r} is being written by another run (process 0 found its "
+            "lease; its error says which run). Open it with read_only=True to read it, or choose another directory."
+        )
+    return held
+
+
+def check_held(held: Lease | None, directory) -> None:
+    """Raises ``CheckpointLeaseError`` on every process if process 0's lease was taken over (agreed)."""
+    from jddp.checkpoint import preemption
+
+    error = None
+    if held is not None:
+        try:
+            held.check()
+        except CheckpointLeaseError as lost:
+            error = lost
+    if not preemption.all_agree(error is None):
+        raise error or CheckpointLeaseError(
+            f"Process 0 no longer holds the lease on checkpoint directory {str(directory)!r}: another writer took "
+            "it over (process 0's error says which). Nothing more is saved by this run."
+        )

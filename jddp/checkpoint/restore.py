@@ -1,0 +1,113 @@
+"""Reading one checkpoint step back: its metadata, whether it fits the state, the arrays and their digests."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import shutil
+import warnings
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jddp.checkpoint import digest
+from jddp.checkpoint.errors import CheckpointWarning
+from jddp.runtime.state import TrainState
+
+STATE, LOADER, META = "state", "loader", "meta"
+DAMAGED_SUFFIX = ".damaged"
+
+
+def as_dict(state: TrainState) -> dict[str, Any]:
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+
+
+def read_meta(directory, step: int) -> tuple[dict | None, str | None]:
+    path = directory / str(step) / META / "metadata"
+    try:
+        return json.loads(path.read_text()), None
+    except FileNotFoundError:
+        return None, f"its metadata file {path.relative_to(directory)} is missing"
+    except (OSError, ValueError) as error:
+        return None, f"its metadata cannot be read ({type(error).__name__}: {error})"
+
+
+def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
+    """Raises if the checkpoint holds another model or (unless allowed) another config: an error, not damage."""
+    mine = digest.describe_leaves(as_dict(state))
+    theirs = meta.get("leaves", [])
+    differ = [(a, b) for a, b in zip(theirs, mine, strict=False) if a != b]
+    differ.sort(key=lambda pair: not pair[1][0].startswith("['params']"))  # name a parameter first
+    if differ:
+        a, b = differ[0]
+        raise ValueError(
+            f"Checkpoint step {step} in {ckpt.directory} holds another model: its leaf {a[0]} has shape "
+            f"{tuple(a[1])} and dtype {a[2]}, but the state here has {b[0]} with shape {tuple(b[1])} and dtype "
+            f"{b[2]}. Restore into the model that was saved, or use another directory."
+        )
+    if len(theirs) != len(mine):
+        raise ValueError(
+            f"Checkpoint step {step} in {ckpt.directory} holds another model: {len(theirs)} state leaves saved, "
+            f"{len(mine)} here. Restore into the model that was saved, or use another directory."
+        )
+    if ckpt.fingerprint and meta.get("config_fingerprint") and meta["config_fingerprint"] != ckpt.fingerprint:
+        saved = meta.get("config", {})
+        keys = sorted(k for k in set(saved) | set(ckpt.config) if saved.get(k) != ckpt.config.get(k))
+        changes = ", ".join(f"{k}: {saved.get(k)!r} -> {ckpt.config.get(k)!r}" for k in keys) or "(details unknown)"
+        message = (
+            f"Checkpoint step {step} in {ckpt.directory} was saved with another config ({changes}). "
+            "Pass allow_config_change=True to resume with the new config anyway, or use another directory."
+        )
+        if not ckpt.allow_config_change:
+            raise ValueError(message)
+        warnings.warn(message, CheckpointWarning, stacklevel=4)
+
+
+def try_restore(manager, directory, step: int, meta: dict, state: TrainState, loader) -> tuple[Any, str | None]:
+    """``((state, loader position or None, step), None)``, or ``(None, why the step is damaged)``."""
+    target = as_dict(state)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+    items: dict[str, ocp.args.CheckpointArgs] = {STATE: ocp.args.StandardRestore(abstract)}
+    has_loader = (directory / str(step) / LOADER).exists()
+    if loader is not None and has_loader:
+        items[LOADER] = ocp.args.JsonRestore()
+    # A restore that fails inside Orbax leaves coroutines never awaited; their RuntimeWarnings (at once or
+    # when collected) are noise of Orbax's failure path, so they are collected here, under this filter.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+        failure = None
+        try:
+            result = manager.restore(step, args=ocp.args.Composite(**items))
+            leaves = jax.tree.leaves(result[STATE])
+            tree = jax.tree.unflatten(jax.tree.structure(target), leaves)
+        except Exception as error:  # Orbax raises many types for damaged files
+            text = str(error).splitlines()[0] if str(error) else ""
+            failure = f"restore failed: {type(error).__name__}: {text[:300]}"
+        if failure is not None:
+            gc.collect()  # the error and its frames are gone: Orbax's leftovers go now, under the filter
+            return None, failure
+    digests = digest.state_digests(tree)
+    bad = [d[0] for d, got, want in zip(meta["leaves"], digests, meta["digests"], strict=True) if got != want]
+    if bad:
+        return None, f"digest mismatch in {len(bad)} leaf(s), first {bad[0]}"
+    new_state = TrainState(**tree)
+    return (new_state, result[LOADER] if LOADER in items else None, step), None
+
+
+def set_aside(directory, step: int) -> None:
+    """Renames a damaged step to ``<step>.damaged`` (``.damaged2``, ... if taken); process 0 moves, all wait."""
+    if jax.process_index() == 0:
+        source = directory / str(step)
+        target = directory / f"{step}{DAMAGED_SUFFIX}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = directory / f"{step}{DAMAGED_SUFFIX}{n}"
+        if source.exists():
+            shutil.move(source, target)
+    if jax.process_count() > 1:
+        from jddp.runtime import distributed
+
+        distributed.barrier(f"checkpoint-set-aside-{step}", timeout_s=120)
