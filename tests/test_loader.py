@@ -188,6 +188,8 @@ class CountingSource:
 def test_record_source_reads_each_example_once_per_epoch():
     src = CountingSource(40)
     loader = jddp.data.DataLoader(src, global_batch_size=8, seed=2, prefetch=0)
+    assert src.reads == [0]  # construction reads one record to check its fields' dtypes
+    src.reads.clear()
     batches = [host(b) for b in loader]
     assert sorted(src.reads) == list(range(40))
     np.testing.assert_array_equal(np.concatenate([b["x"] for b in batches]), src.data["x"][np.array(src.reads)])

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "DataLoader": "jddp.data.loader",
+    "DtypeWarning": "jddp.data.loader",
     "DistributedBatchSampler": "jddp.data.sampler",
     "LocalBatch": "jddp.data.sampler",
 }
 
-__all__ = ["DataLoader", "DistributedBatchSampler", "LocalBatch"]
+__all__ = ["DataLoader", "DistributedBatchSampler", "DtypeWarning", "LocalBatch"]
 
 
 def __getattr__(name: str):
@@ -31,5 +32,5 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from jddp.data.loader import DataLoader
+    from jddp.data.loader import DataLoader, DtypeWarning
     from jddp.data.sampler import DistributedBatchSampler, LocalBatch

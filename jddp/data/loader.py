@@ -14,6 +14,8 @@ runs on the same cores, so every microsecond here is a microsecond of step.
 
 from __future__ import annotations
 
+import json
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -25,7 +27,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime, validate
 from jddp.data import sampler as sampler_lib
-from jddp.runtime import packing
+from jddp.runtime import dispatch, packing
 
 Example = dict[str, np.ndarray]
 Transform = Callable[[Example, np.random.Generator], Example]
@@ -42,6 +44,8 @@ _MAX_BATCHES_PER_READ = 16
 _MIN_SHM_BYTES = 2 * _READ_BYTES
 # The read-ahead stream covers this many epochs past the current one (then restarts).
 _EPOCHS_AHEAD = 1 << 20
+# Room for one process's loader settings as JSON in the all-gather that compares them.
+_SETTINGS_BYTES = 512
 
 
 class _ReadBatch:
@@ -60,6 +64,11 @@ class _ReadBatch:
         self.source, self.sampler = source, sampler
         self.transform, self.batch_transform = transform, batch_transform
         self.arrays = _arrays(source) if transform is None and batch_transform is None else None
+        self.source_mask: np.ndarray | None = None  # the source's own "mask", combined with the padding mask
+        if self.arrays is not None:
+            self.arrays = {k: _canonical(k, v) for k, v in self.arrays.items()}
+            if "mask" in self.arrays:
+                self.source_mask = _check_source_mask(self.arrays.pop("mask"), "the source")
         self.layout: tuple[packing.Field, ...] | None = None
         self.batches_per_read = self.row_bytes = 1
         if self.arrays is not None:
@@ -82,7 +91,7 @@ class _ReadBatch:
         views = packing.host_views(block, layout)
         for name, array in self.arrays.items():
             np.take(array, indices, axis=0, out=views[name], mode="clip")  # indices are valid; "clip" is unbuffered
-        views["mask"][...] = mask
+        views["mask"][...] = mask if self.source_mask is None else mask * self.source_mask[indices]
         return first, block, layout
 
     def batch(self, position: int) -> Example:
@@ -96,19 +105,81 @@ class _ReadBatch:
             batch = _stack([self.transform(row, rng) for row, rng in zip(rows, rngs, strict=True)])
         if self.batch_transform is not None:
             batch = self.batch_transform(batch, np.random.default_rng([seed, local.position, self.sampler.rank]))
-        batch["mask"] = local.mask
+        what = "the source" if self.transform is None and self.batch_transform is None else "the transforms"
+        batch = {k: _canonical(k, np.asarray(v), what) for k, v in batch.items()}
+        own = batch.pop("mask", None)
+        batch["mask"] = local.mask if own is None else local.mask * _check_source_mask(own, what)
         return batch
 
 
 def _arrays(source) -> dict[str, np.ndarray] | None:
-    """The source as a dict of NumPy arrays (without ``"mask"``, which the sampler sets), or None."""
+    """The source as a dict of NumPy arrays, or None."""
     if isinstance(source, np.ndarray):
         source = {"x": source}
     if not isinstance(source, Mapping) or not all(isinstance(v, np.ndarray) for v in source.values()):
         return None
-    if any(v.dtype.hasobject for v in source.values()):
-        return None
-    return {k: v for k, v in source.items() if k != "mask"}
+    return dict(source)
+
+
+# What the devices take, as ``jnp.asarray`` does without x64: 64-bit numbers become 32-bit.
+_NARROW = {
+    np.dtype(np.float64): np.float32,
+    np.dtype(np.int64): np.int32,
+    np.dtype(np.uint64): np.uint32,
+    np.dtype(np.complex128): np.complex64,
+}
+
+
+def _canonical(name: str, array: np.ndarray, what: str = "the source") -> np.ndarray:
+    """``array`` in a dtype the devices take (64-bit narrowed unless x64 is on); strings and objects refused."""
+    dtype = array.dtype
+    if dtype.kind in "OUSVMm":
+        raise TypeError(
+            f"DataLoader field {name!r} of {what} has dtype {dtype} ({_KINDS[dtype.kind]}): only numbers and "
+            "bools can go to the devices. Encode it as numbers (e.g. integer ids), drop it from the source, or "
+            "turn it into numbers in `transform`."
+        )
+    narrow = _NARROW.get(dtype)
+    if narrow is None or jax.config.read("jax_enable_x64"):
+        return array
+    return array.astype(narrow)
+
+
+class DtypeWarning(UserWarning):
+    """The loader narrowed 64-bit source fields to the 32-bit types the devices use (said once per field)."""
+
+
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_narrowed(said: dict[str, str]) -> None:
+    new = {k: v for k, v in said.items() if (k, v) not in _SAID}  # once per process
+    _SAID.update(new.items())
+    if new:
+        fields = ", ".join(f"{k!r} {v}" for k, v in new.items())
+        warnings.warn(
+            f"DataLoader: source fields {fields}, as jnp.asarray does without jax_enable_x64 (NumPy's default is "
+            "64-bit; the devices compute in 32-bit). Convert the source yourself to silence this.",
+            DtypeWarning,
+            stacklevel=3,
+        )
+
+
+_KINDS = {"O": "Python objects", "U": "strings", "S": "bytes", "V": "raw records", "M": "datetimes", "m": "timedeltas"}
+
+
+def _check_source_mask(mask: np.ndarray, what: str) -> np.ndarray:
+    """A source's own ``mask`` (0 to leave an example out) as float32, checked: 0/1 per example."""
+    mask = np.asarray(mask)
+    if mask.ndim != 1:
+        raise ValueError(
+            f"The 'mask' field of {what} must be 0/1 per example (shape [N]), got shape {mask.shape}. It is "
+            "combined with the padding mask; name a mask of another shape otherwise (e.g. 'token_mask')."
+        )
+    bad = mask[(mask != 0) & (mask != 1)]
+    if bad.size:
+        raise ValueError(f"The 'mask' field of {what} must be 0 or 1, got {bad[0].item()!r} among its values.")
+    return mask.astype(np.float32)
 
 
 def read(source, indices: np.ndarray) -> Example:
@@ -266,6 +337,10 @@ class DataLoader:
         self.source, self.mesh = source, mesh
         self.worker_count, self.prefetch = worker_count, prefetch
         self._read = _ReadBatch(source, self.sampler, transform, batch_transform)
+        if transform is None and batch_transform is None:  # what the devices will get, said now, not at a step
+            fields = _arrays(source) or read(source, np.zeros(1, np.int64))
+            narrowed = {k: (v.dtype, _canonical(k, v[:1]).dtype) for k, v in fields.items() if k != "mask"}
+            _say_narrowed({k: f"{a} -> {b}" for k, (a, b) in narrowed.items() if a != b})
         self._sharding = runtime.batch_sharding(mesh)
         self._transfer = packing.Transfer(self._sharding, global_batch_size)
         # The stream sits in a box that a finalizer closes when the loader goes
@@ -274,6 +349,7 @@ class DataLoader:
         self._box: list[Iterator | None] = [None]
         weakref.finalize(self, _close_box, self._box)
         self._stream_position, self._rows, self._layout = -1, iter(()), ()
+        self._agreed = False  # settings compared across processes at the first batch (a collective)
 
     def __len__(self) -> int:
         """Global batches per epoch."""
@@ -329,12 +405,57 @@ class DataLoader:
             _close(iterator)
 
     def __iter__(self) -> Iterator[packing.PackedBatch]:
+        if not self._agreed:
+            self._agree()
         end = (self.sampler.epoch + 1) * len(self.sampler)
         while self.sampler.position < end:
             data, layout = self._next_local()
             batch = packing.PackedBatch(self._transfer(data), layout)
             self.sampler.position += 1  # consumed once handed out: a save now resumes after it
             yield batch
+
+    def _agree(self) -> None:
+        """At the first batch of a group: every process built this loader the same way, or a ``ValueError``.
+
+        One all-gather of each process's settings (as JSON). Processes that disagree would read overlapping
+        slices of different orders: examples duplicated and dropped without an error (``seed=process_index()``
+        duplicates and drops 14 of 64 per epoch).
+        """
+        self._agreed = True
+        if jax.process_count() == 1:
+            return
+        from jax.experimental import multihost_utils
+
+        s = self.sampler
+        mine = {
+            "dataset size": s.dataset_size,
+            "global_batch_size": s.global_batch_size,
+            "seed": s.seed,
+            "shuffle": s.shuffle,
+            "drop_last": s.drop_last,
+            "position": s.position,
+        }
+        text = json.dumps(mine).encode()[:_SETTINGS_BYTES]
+        row = np.zeros(_SETTINGS_BYTES, np.uint8)
+        row[: len(text)] = np.frombuffer(text, np.uint8)
+        dispatch.DISPATCHER.drain()  # no other program with collectives in flight
+        rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), _SETTINGS_BYTES)
+        every = [json.loads(bytes(r).rstrip(b"\0")) for r in rows]
+        for key in mine:
+            values = [e.get(key) for e in every]
+            if len({json.dumps(v) for v in values}) > 1:
+                listed = ", ".join(f"{v!r} on process {i}" for i, v in enumerate(values))
+                hint = (
+                    " Do not derive the seed from the process index: the loader already gives each process its "
+                    "own slice of one global order."
+                    if key == "seed"
+                    else ""
+                )
+                raise ValueError(
+                    f"The DataLoaders of this run's processes differ in {key}: {listed}. Every process must build "
+                    "its loader with the same source size, global_batch_size, seed, shuffle and drop_last, and "
+                    f"restore the same position, or examples are duplicated and dropped.{hint}"
+                )
 
     def _next_local(self) -> tuple[np.ndarray, tuple[packing.Field, ...]]:
         """The local rows at the sampler's position, from one stream that runs on across epochs.

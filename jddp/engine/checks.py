@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jddp import validate
+from jddp.engine import reduce
 from jddp.runtime import state as state_lib
 
 MSG_LOSS_OUTPUT = (
@@ -62,11 +63,21 @@ def check_call(dp, state, batch) -> None:
             f"uses {dp._rep}. Build the state with this object's `init`, or restore the "
             "checkpoint onto this mesh."
         )
+    donated = [x for x in (state.step, *jax.tree.leaves(state.params)[:1]) if getattr(x, "is_deleted", bool)()]
+    if donated:
+        raise ValueError(
+            "`state` was donated to an earlier step: `step` reuses its input state's memory for the new state "
+            "(donate=True), so an old state cannot be stepped again. Use the state that `step` returned "
+            "(`state, metrics = dp.step(state, batch)`), or build DataParallel with donate=False to keep old states."
+        )
     leaves, treedef = jax.tree.flatten(batch)
     signature = (treedef, tuple(np.shape(x) for x in leaves))
     if signature != dp._checked:
         check_batch(dp, batch, leaves)
+        check_mask(batch, np.shape(leaves[0])[0], every_value=True)
         dp._checked = signature
+    else:
+        check_mask(batch, np.shape(leaves[0])[0], every_value=False)
 
 
 def check_batch(dp, batch, leaves) -> None:
@@ -93,6 +104,39 @@ def check_batch(dp, batch, leaves) -> None:
         raise TypeError(
             "In a multi-process run every batch leaf must be a global jax.Array; use "
             "`jddp.data.DataLoader` or `jax.make_array_from_process_local_data`."
+        )
+
+
+def check_mask(batch, size: int, *, every_value: bool) -> None:
+    """The batch's ``mask``, if any: 0/1 of shape ``[B]``.
+
+    Its shape always; its values when it is on the host (NumPy: cheap, at every call) and, for a ``jax.Array``,
+    the first time a batch of this shape is seen (reading device values waits for them: not at every step).
+    """
+    mask = reduce.find_mask(batch)
+    if mask is None:
+        return
+    shape = np.shape(mask)
+    if shape != (size,):
+        raise ValueError(
+            f"`batch`'s mask must mark each example with 0 (padding) or 1 (real), shape [{size}], got shape "
+            f"{shape}. A mask of another shape (per token, [B, 1]) would weight the loss wrongly: squeeze it to "
+            "[B], or name a per-token mask otherwise (e.g. 'token_mask') and return a jddp.Weighted loss."
+        )
+    dtype = np.dtype(mask.dtype if hasattr(mask, "dtype") else np.asarray(mask).dtype)
+    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_) or np.issubdtype(dtype, np.complexfloating):
+        raise TypeError(f"`batch`'s mask must be a real or bool array of 0/1, got dtype {dtype}.")
+    if isinstance(mask, jax.Array) and not every_value:
+        return
+    if isinstance(mask, jax.Array):
+        values = np.concatenate([np.asarray(s.data).reshape(-1) for s in mask.addressable_shards])
+    else:
+        values = np.asarray(mask)
+    bad = values[(values != 0) & (values != 1)]
+    if bad.size:
+        raise ValueError(
+            f"`batch`'s mask must be 0 (padding) or 1 (real example), got {bad[0].item()!r} among its values. For "
+            "weights per example, return a jddp.Weighted(total, weight) loss instead."
         )
 
 

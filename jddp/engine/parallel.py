@@ -218,6 +218,8 @@ class DataParallel:
           NonFiniteError: with ``nonfinite="raise"``, after a skipped update.
         """
         checks.check_call(self, state, batch)
+        if step_lib.leading_size(batch) == 0:
+            return self._empty_step(state)
         dispatch.DISPATCHER.before(self._step, self.options.max_inflight)
         (step, params, opt_state, model_state), packed = self._step(*self._args(state, batch))
         dispatch.DISPATCHER.after(packed)
@@ -233,6 +235,17 @@ class DataParallel:
             )
         return state, metrics
 
+    def _empty_step(self, state: state_lib.TrainState) -> tuple[state_lib.TrainState, metrics_lib.Metrics]:
+        """A batch of 0 examples: no program runs (a loss over nothing cannot be traced); the state is unchanged
+        but for its step counter, as for a batch of padding, and every metric is 0, ``examples`` too."""
+        names = self._device.names.get("step", ("loss", "examples", "grad_norm", "nonfinite"))
+        if self.options.nonfinite == "ignore" and "step" not in self._device.names:
+            names = ("loss", "examples") if self.options.clip_grad_norm is None else ("loss", "examples", "grad_norm")
+        packed = jax.device_put(np.zeros(len(names), np.float32), self._rep)
+        step = jax.jit(lambda s: s + 1, out_shardings=self._rep)(state.step)
+        new_state = state_lib.TrainState(step, state.params, state.opt_state, state.model_state, state.rng)
+        return new_state, metrics_lib.Metrics(names, packed)
+
     def eval_step(self, state: state_lib.TrainState, batch: jt.Batch) -> metrics_lib.Metrics:
         """Exact global means of the evaluation metrics over the batch's real examples.
 
@@ -244,6 +257,10 @@ class DataParallel:
           ``Metrics`` (names to floats), plus ``examples``, the real examples counted.
         """
         checks.check_call(self, state, batch)
+        if step_lib.leading_size(batch) == 0:  # nothing to evaluate: every mean 0 with weight 0
+            names = self._device.names.get("eval", ("loss", "examples"))
+            packed = jax.device_put(np.zeros(2 * len(names) - 1, np.float32), self._rep)
+            return metrics_lib.Metrics(names, packed)
         dispatch.DISPATCHER.before(self._eval, self.options.max_inflight)
         packed = self._eval(*self._args(state, batch))
         dispatch.DISPATCHER.after(packed)
@@ -261,6 +278,18 @@ class DataParallel:
         Returns:
           Metric names to floats, plus ``examples``, the real examples seen.
         """
+        sampler = getattr(batches, "sampler", None)
+        if (
+            sampler is not None
+            and getattr(sampler, "drop_last", False)
+            and sampler.dataset_size % sampler.global_batch_size
+        ):
+            raise ValueError(
+                f"`evaluate` over a DataLoader with drop_last=True would skip the last "
+                f"{sampler.dataset_size % sampler.global_batch_size} of {sampler.dataset_size} examples. Build the "
+                "evaluation loader with drop_last=False (and shuffle=False): the last batch is padded and the "
+                "padding masked, so every example counts once."
+            )
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         examples = 0.0

@@ -14,6 +14,8 @@ devices (DDP's average of per-device averages is not, for uneven batches).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -62,10 +64,21 @@ def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     return jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
+def find_mask(batch):
+    """The batch's ``mask`` (0/1 per example, 0 for padding), or None: the top-level field named ``mask`` of a
+    mapping, a NamedTuple or a dataclass (deeper fields are the model's inputs, e.g. attention masks)."""
+    if isinstance(batch, Mapping):
+        return batch.get("mask")
+    if (isinstance(batch, tuple) and hasattr(batch, "_fields")) or dataclasses.is_dataclass(batch):
+        return getattr(batch, "mask", None)
+    return None
+
+
 def example_count(batch, batch_size: int) -> jax.Array:
-    """The number of real examples of a local batch: ``sum(batch["mask"])``."""
-    if isinstance(batch, dict) and "mask" in batch:
-        return jnp.sum(jnp.asarray(batch["mask"], jnp.float32))
+    """The number of real examples of a local batch: the sum of its mask (``find_mask``), else its size."""
+    mask = find_mask(batch)
+    if mask is not None:
+        return jnp.sum(jnp.asarray(mask, jnp.float32))
     return jnp.float32(batch_size)
 
 

@@ -90,13 +90,15 @@ class DeviceStep:
             return params, opt_state, old_model_state
 
         operands = (grads_sum, state.params, state.opt_state, model_state, state.model_state)
-        if opts.nonfinite == "ignore":
-            params, opt_state, model_state = update(operands)
-        else:
-            # A branch, not a select: the common path reads each buffer once.
+        # A global batch without a real example (empty, or padding on every device) changes nothing: no decay, no
+        # momentum, no statistics (``examples`` is 0 in the metrics). A branch, not a select: the common path
+        # reads each buffer once.
+        take = examples > 0
+        if opts.nonfinite != "ignore":
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             metrics["nonfinite"] = (~finite).astype(jnp.float32)
-            params, opt_state, model_state = lax.cond(finite, update, skip, operands)
+            take = take & finite
+        params, opt_state, model_state = lax.cond(take, update, skip, operands)
         checks.check_metric_names(aux, metrics)
         metrics.update({k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()})
         return (state.step + 1, params, opt_state, model_state), self._pack("step", metrics)

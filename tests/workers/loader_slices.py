@@ -17,6 +17,8 @@ from tests.test_loader import CountingSource  # noqa: E402
 src = CountingSource(70)
 # prefetch=0: no read-ahead (into the next epoch), so the reads are exactly this epoch's.
 loader = jddp.data.DataLoader(src, global_batch_size=16, seed=7, drop_last=False, prefetch=0)
+assert src.reads == [0]  # construction reads one record to check its fields' dtypes
+src.reads.clear()
 reference = DistributedBatchSampler(70, global_batch_size=16, seed=7, drop_last=False)
 for position, batch in enumerate(loader):
     rows = multihost_utils.process_allgather(batch["x"], tiled=True)
