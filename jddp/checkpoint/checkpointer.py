@@ -27,7 +27,7 @@ from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, lease, preemption, restore, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
 from jddp.checkpoint.restore import DAMAGED_SUFFIX, LOADER, META, STATE
-from jddp.runtime import dispatch
+from jddp.runtime import dispatch, distributed
 from jddp.runtime.state import TrainState
 
 
@@ -83,6 +83,7 @@ class Checkpointer:
         read_only: bool = False,
         lease_timeout_s: float = 60.0,
     ) -> None:
+        distributed.check_joined()
         validate.check_int("save_every", save_every, optional=True)
         validate.check_int("max_to_keep", max_to_keep, optional=True)
         for name, value, low in (

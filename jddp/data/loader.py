@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime, validate
 from jddp.data import sampler as sampler_lib
-from jddp.runtime import dispatch, packing
+from jddp.runtime import dispatch, distributed, packing
 
 Example = dict[str, np.ndarray]
 Transform = Callable[[Example, np.random.Generator], Example]
@@ -312,6 +312,7 @@ class DataLoader:
         worker_count: int = 0,
         prefetch: int = 2,
     ):
+        distributed.check_joined()
         size = source_size(source)
         if size == 0:
             raise ValueError("The source is empty (len(source)=0); a DataLoader needs at least one example.")

@@ -18,7 +18,7 @@ from jddp import typing as jt
 from jddp.engine import checks, comm, fused, replicas
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
-from jddp.runtime import dispatch
+from jddp.runtime import dispatch, distributed
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
@@ -106,6 +106,7 @@ class DataParallel:
         max_inflight: int = 2,
         fuse_allreduce: bool | None = None,
     ):
+        distributed.check_joined()
         if not callable(loss_fn):
             raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
         if not isinstance(optimizer, optax.GradientTransformation):

@@ -30,6 +30,7 @@ Environment variables (``jddp launch`` sets the first five):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -76,6 +77,32 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"Environment variable {name}={raw!r} must be an integer.") from None
 
 
+def check_joined() -> None:
+    """Raises if this process was started as one of a group but never joined it.
+
+    ``jddp launch`` sets ``JDDP_NUM_PROCESSES``; a script that never calls ``jddp.initialize()`` would otherwise
+    run as N separate single-process jobs, each training on all the data and writing the same files. Called by
+    jddp's entry points (``data_mesh``, ``DataParallel``, ``DataLoader``, ``Checkpointer``) before they use JAX.
+    """
+    if _group is not None:
+        return
+    raw = os.environ.get("JDDP_NUM_PROCESSES", "")
+    if not raw.isdigit() or int(raw) <= 1 or _joined_elsewhere():
+        return
+    me = os.environ.get("JDDP_PROCESS_ID", "?")
+    raise RuntimeError(
+        f"This process was started as process {me} of a group of {raw} (JDDP_NUM_PROCESSES={raw}, set by "
+        "`jddp launch`), but it has not joined the group: jddp.initialize() was not called, so each process "
+        "would train alone on all the data. Call jddp.initialize() at the start of the script, before anything "
+        "else uses JAX."
+    )
+
+
+def _joined_elsewhere() -> bool:
+    """True if the process joined a group without jddp (``jax.distributed.initialize`` called directly)."""
+    return jax_internals.distributed_client() is not None
+
+
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -108,8 +135,11 @@ def _wait_reachable(host: str, port: int, deadline: float, process_id: int, num_
     last_error = "no attempt"
     while True:
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))) as c:
+                _check_speaks_grpc(c, host, port)
                 return
+        except NotCoordinatorError:
+            raise
         except OSError as e:
             last_error = e.strerror or str(e)
         if time.monotonic() >= deadline:
@@ -119,6 +149,47 @@ def _wait_reachable(host: str, port: int, deadline: float, process_id: int, num_
                 f"address right? Raise the timeout with init_timeout_s= or {ENV_INIT_TIMEOUT}."
             )
         time.sleep(0.2)
+
+
+# An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (JAX's coordination service)
+# answers with a SETTINGS frame of its own (type 4 on stream 0) at once.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_ANSWER_S = 15.0
+
+
+class NotCoordinatorError(ConnectionError):
+    """Another program, not JAX's coordination service, answers at the coordinator address."""
+
+
+def _check_speaks_grpc(connection: socket.socket, host: str, port: int) -> None:
+    """Raises ``ConnectionError`` naming the address if another program, not the coordinator, answers there.
+
+    Otherwise JAX's client waits out its whole timeout and then aborts the process from C++ (exit 134, "the
+    distributed service detected fatal errors").
+    """
+    answer = b""
+    try:
+        connection.settimeout(_H2_ANSWER_S)
+        connection.sendall(_H2_PREFACE)
+        while len(answer) < 9:
+            chunk = connection.recv(9 - len(answer))
+            if not chunk:
+                break
+            answer += chunk
+    except OSError:
+        pass
+    if len(answer) == 9 and answer[3] == 4 and answer[5:9] == bytes(4):
+        return
+    with contextlib.suppress(OSError):
+        connection.settimeout(0.5)
+        answer += connection.recv(64)  # more of it, for the message
+    said = answer.decode("latin-1").splitlines()[0][:60] if answer else "nothing"
+    raise NotCoordinatorError(
+        f"jddp.initialize: the coordinator address {host}:{port} is answered by another program, not JAX's "
+        f"coordination service (it answered {said!r} to an HTTP/2 greeting). Another program listens on that port: "
+        "start the group on a free port (`jddp launch` picks one when --coordinator is left out), or stop that "
+        "program."
+    )
 
 
 def _own_address_toward(host: str, port: int) -> str:

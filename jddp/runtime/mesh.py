@@ -90,6 +90,9 @@ def data_mesh(
       >>> mesh.axis_names
       ('data',)
     """
+    from jddp.runtime import distributed
+
+    distributed.check_joined()
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("`devices` is empty; pass at least one device or None for all.")
