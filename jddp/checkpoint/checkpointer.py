@@ -104,7 +104,7 @@ class Checkpointer:
         self._lease: lease.Lease | None = None
         self._closed = False
         if not read_only:
-            storage.check_writable(self.directory)
+            storage.check_writable(self.directory, probe=jax.process_index() != 0 or storage.is_remote(self.directory))
             self._lease = lease.take(self.directory, float(lease_timeout_s))
         self.save_every, self.max_to_keep = save_every, max_to_keep
         self.fingerprint, self.config = digest.config_fingerprint(config)

@@ -214,6 +214,10 @@ def take(directory, timeout_s: float) -> Lease | None:
             held.acquire()
         except CheckpointLeaseError as error:
             held, refusal = None, error
+        except OSError as error:  # the lease is process 0's first write in the directory
+            from jddp.checkpoint import storage
+
+            held, refusal = None, storage.not_writable(directory, error)
     if not preemption.all_agree(refusal is None):
         if held is not None:
             held.release()

@@ -59,8 +59,10 @@ class OrbaxErrorLogs(logging.Filter):
             cls.instance = None
 
 
-def check_writable(directory) -> None:
-    """Creates a local ``directory`` and writes a probe file in it; raises a clear error where it cannot."""
+def check_writable(directory, *, probe: bool = True) -> None:
+    """Creates a local ``directory`` and, with ``probe``, writes a probe file in it; raises a clear error where
+    it cannot. Process 0 of a writer skips the probe: taking the lease is its first write (a refused writer then
+    changes nothing, not even the directory's modification time)."""
     if is_remote(directory):
         return  # Orbax's own path handling (etils.epath) reports a bad bucket or path at its first use
     for path in (directory, *directory.parents):
@@ -73,15 +75,20 @@ def check_writable(directory) -> None:
             break
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".jddp-write-probe-{jax.process_index()}-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        if probe:
+            name = directory / f".jddp-write-probe-{jax.process_index()}-{os.getpid()}"
+            name.write_bytes(b"ok")
+            name.unlink()
     except OSError as error:
-        raise PermissionError(
-            f"Checkpoint directory {str(directory)!r} is not writable by process {jax.process_index()} "
-            f"({error.strerror or error}). Choose a directory this user can write (on a file system every "
-            "process sees), or fix its permissions."
-        ) from None
+        raise not_writable(directory, error) from None
+
+
+def not_writable(directory, error: OSError) -> PermissionError:
+    return PermissionError(
+        f"Checkpoint directory {str(directory)!r} is not writable by process {jax.process_index()} "
+        f"({error.strerror or error}). Choose a directory this user can write (on a file system every "
+        "process sees), or fix its permissions."
+    )
 
 
 def write_failure(directory, failed: list[int], published: list[int], error: Exception) -> str:

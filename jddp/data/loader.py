@@ -317,6 +317,11 @@ class DataLoader:
         if size == 0:
             raise ValueError("The source is empty (len(source)=0); a DataLoader needs at least one example.")
         mesh = runtime.data_mesh() if mesh is None else mesh
+        if not isinstance(mesh, Mesh) or runtime.DATA_AXIS not in mesh.axis_names:
+            raise TypeError(
+                f"`mesh` must be a jax.sharding.Mesh with an axis named {runtime.DATA_AXIS!r} (jddp.data_mesh()), "
+                f"got {mesh!r}."
+            )
         devices = mesh.devices.size
         if isinstance(global_batch_size, int) and global_batch_size % devices:
             raise ValueError(

@@ -103,6 +103,9 @@ class DistributedBatchSampler:
         _check_int("global_batch_size", global_batch_size, 1, "use a positive batch size")
         _check_int("num_replicas", num_replicas, 1, "use at least one replica")
         _check_int("seed", seed, 0, "use a non-negative seed")
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(value, bool | np.bool_):
+                raise TypeError(f"`{name}` must be True or False, got {name}={value!r}.")
         if global_batch_size % num_replicas:
             raise ValueError(
                 f"`global_batch_size` must be divisible by `num_replicas` (processes), got "

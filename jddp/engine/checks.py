@@ -92,6 +92,13 @@ def check_batch(dp, batch, leaves) -> None:
             + ", ".join(f"{k}: {v[0] if v else 'scalar'}" for k, v in sizes.items())
             + "."
         )
+    for path, x in jax.tree.leaves_with_path(batch):
+        dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+        if dtype.kind in "OUSVMm":
+            raise TypeError(
+                f"batch{jax.tree_util.keystr(path)} has dtype {dtype}: only numbers and bools can go to the "
+                "devices. Encode it as numbers (e.g. integer ids) or keep it out of the batch."
+            )
     (size,) = leading
     n, k = dp.num_devices, dp.options.accumulate_steps
     if size % (n * k):
@@ -175,6 +182,17 @@ def host_copy(tree, what: str):
         return np.array(jax.device_get(x), copy=True)
 
     return jax.tree_util.tree_map_with_path(copy, tree)
+
+
+def check_trainable(params) -> None:
+    """Every leaf of ``params`` is floating point (a gradient of an integer leaf does not exist)."""
+    for path, x in jax.tree.leaves_with_path(params):
+        if not np.issubdtype(x.dtype, np.inexact):
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} has dtype {x.dtype}, but parameters are trained by gradients, "
+                "which need floating point. Cast it (e.g. `.astype(np.float32)`), or move integer state "
+                "(counters, indices, masks) to `model_state`."
+            )
 
 
 def key_data(rng) -> np.ndarray:

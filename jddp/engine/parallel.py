@@ -178,6 +178,7 @@ class DataParallel:
             (names the process and the leaf).
         """
         params = checks.host_copy(params, "params")
+        checks.check_trainable(params)
         model_state = checks.host_copy({} if model_state is None else model_state, "model_state")
         key = checks.key_data(rng)
         dispatch.DISPATCHER.drain()
