@@ -25,3 +25,21 @@ def test_two_processes_read_disjoint_slices_and_assemble_the_same_batches():
     assert len(set(real0)) == 38 and len(set(real1)) == 32
     assert not set(real0) & set(real1)
     assert set(real0) | set(real1) == set(range(70))
+
+
+@pytest.mark.parametrize(
+    ("what", "names"),
+    [
+        ("seed", "seed: 0 on process 0, 1 on process 1"),
+        ("batch", "global_batch_size: 16 on process 0, 32 on process 1"),
+        ("size", "dataset size: 64 on process 0, 72 on process 1"),
+        ("position", "position: 0 on process 0, 2 on process 1"),
+    ],
+)
+def test_processes_whose_loaders_differ_are_refused_at_the_first_batch(what, names):
+    """``DataLoader(seed=jax.process_index())`` would duplicate and drop examples without an error."""
+    script = str(Path(__file__).parent / "workers" / "loader_disagree.py")
+    outputs = multiprocess.run(script, 2, 1, what)
+    lines = [line for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
+    expected = f"RESULT refused The DataLoaders of this run's processes differ in {names}"
+    assert lines == [expected, expected], outputs
