@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import pytest
 
 import jddp
 from jddp import exitcodes, net
+from jddp.cli import output
 from tests import models, multiprocess
 
 pytestmark = pytest.mark.multiprocess
@@ -97,6 +100,49 @@ def test_launcher_prefixes_output_filters_gloo_and_propagates_the_exit_code():
         assert line[:4] in ("[0] ", "[1] "), line
     assert "first failure: process 1, failed with exit code 3" in done.stderr
     assert "the launcher imported JAX" not in done.stderr
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gloo_chatter_never_reaches_the_output_and_progress_bars_stay_bars(seed):
+    """Three threads write gloo's message to fd 1 as its C++ does (operand by operand, interleaved) while the
+    script prints: every printed line arrives whole, nothing of gloo's arrives, and carriage-return updates
+    stay updates, each with the prefix."""
+    done = subprocess.run(
+        [sys.executable, "-m", "jddp.launch", str(multiprocess.WORKERS / "gloo_noise.py"), "200", str(seed)],
+        env=multiprocess.environment(),
+        capture_output=True,  # bytes: text mode would turn every "\r" into "\n"
+        timeout=180,
+        cwd=multiprocess.ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.decode().splitlines() == [f"[0] line {i} of the script" for i in range(200)]
+    assert not output.GLOO_PIECES.search(done.stdout + done.stderr)
+    updates = [piece for piece in re.split(rb"(?<=\r)|(?<=\n)", done.stderr) if b"progress" in piece]
+    assert updates == [f"[0] progress {i}".encode() + (b"\r" if i < 199 else b"\n") for i in range(200)], updates[:3]
+
+
+def test_the_readme_main_command_runs_and_prints_no_gloo_text(tmp_path):
+    """The README's main command, run as written (from a directory with the configs): a real two-process
+    run; nothing of gloo's chatter in its output, every line prefixed by its process."""
+    readme = (multiprocess.ROOT / "README.md").read_text()
+    first = re.search(r"```bash\n(.*?)\n```", readme, re.S)
+    assert first is not None
+    args = shlex.split(first.group(1).split("&& jddp launch ", 1)[1])
+    (tmp_path / "configs").symlink_to(multiprocess.ROOT / "configs")
+    done = subprocess.run(
+        [sys.executable, "-m", "jddp.launch", *args],
+        env=multiprocess.environment(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert not output.GLOO_PIECES.search((done.stdout + done.stderr).encode())
+    assert re.search(r"^\[0\] .*test.*accuracy", done.stdout, re.M | re.I), done.stdout[-2000:]
+    for line in done.stdout.splitlines():
+        assert line[:4] in ("[0] ", "[1] "), line
+    assert (tmp_path / "runs" / "mnist1d_cnn" / "loss.png").is_file()
 
 
 def test_sigkilled_worker_restarts_the_group_and_the_run_completes():

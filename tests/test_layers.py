@@ -121,3 +121,15 @@ def test_private_jax_apis_are_used_only_in_jax_internals():
         if "jax._src" in path.read_text() and path.name != "jax_internals.py"
     ]
     assert not users, f"private JAX APIs used outside jddp/runtime/jax_internals.py: {users}"
+
+
+def test_names_shared_by_layers_that_may_not_import_each_other_agree():
+    """The launcher (no JAX) and the runtime name the same environment variable; config and checkpoint the same
+    field metadata key. Each side spells it once; this binds them."""
+    from jddp import config
+    from jddp.checkpoint import digest
+    from jddp.cli import launch
+    from jddp.runtime import distributed
+
+    assert launch.ENV_STDOUT_FD == distributed.ENV_STDOUT_FD
+    assert config.FINGERPRINT == digest.FINGERPRINT

@@ -81,6 +81,7 @@ from types import FrameType
 from jddp import exitcodes, net
 from jddp.cli import output
 
+ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # the pipe for Python's stdout (jddp.runtime.distributed.ENV_STDOUT_FD)
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -261,13 +262,32 @@ class _Launcher:
 
     def start_one(self, local_rank: int, coordinator: str, attempt: int) -> _Worker:
         env = environment(self.config, local_rank, coordinator, attempt)
-        popen = subprocess.Popen(
-            command(self.config), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
+        # Python's stdout gets a pipe of its own (jddp.initialize() moves sys.stdout there), apart from fd 1,
+        # where C++ (gloo) writes: see jddp.cli.output.
+        python_read, python_write = os.pipe()
+        env[ENV_STDOUT_FD] = str(python_write)
+        try:
+            popen = subprocess.Popen(
+                command(self.config),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(python_write,),
+            )
+        finally:
+            os.close(python_write)
         worker = _Worker(int(env["JDDP_PROCESS_ID"]), popen)
         prefix = f"[{worker.process_id}] ".encode()
-        for pipe, target in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
-            reader = threading.Thread(target=self.output.pump, args=(pipe, target, prefix), daemon=True)
+        pipes = (
+            (popen.stdout, sys.stdout, True),
+            (os.fdopen(python_read, "rb", buffering=0), sys.stdout, False),
+            (popen.stderr, sys.stderr, False),
+        )
+        for pipe, target, native in pipes:
+            reader = threading.Thread(
+                target=self.output.pump, args=(pipe, target, prefix), kwargs={"native": native}, daemon=True
+            )
             reader.start()
             worker.readers.append(reader)
         return worker

@@ -47,6 +47,7 @@ ENV_PROCESS_ID = "JDDP_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JDDP_LOCAL_DEVICES"
 ENV_PEER_TIMEOUT = "JDDP_PEER_TIMEOUT"
 ENV_INIT_TIMEOUT = "JDDP_INIT_TIMEOUT"
+ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # set by `jddp launch` (jddp.cli.launch.ENV_STDOUT_FD)
 
 DEFAULT_PEER_TIMEOUT_S = 30.0
 DEFAULT_INIT_TIMEOUT_S = 120.0
@@ -75,6 +76,21 @@ def _env_int(name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"Environment variable {name}={raw!r} must be an integer.") from None
+
+
+def _own_stdout() -> None:
+    """Under ``jddp launch``: ``sys.stdout`` moves to the pipe the launcher gave Python alone, so that what C++
+    writes to fd 1 (gloo's chatter, from its own threads, cut anywhere) never lands inside a printed line
+    (``jddp.cli.output``)."""
+    fd = os.environ.pop(ENV_STDOUT_FD, None)
+    if not fd or not fd.isdigit():
+        return
+    try:
+        stream = os.fdopen(int(fd), "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", errors="replace")
+    except OSError:
+        return  # not inherited (a process started by the script itself): keep fd 1
+    sys.stdout.flush()
+    sys.stdout = stream
 
 
 def check_joined() -> None:
@@ -241,6 +257,7 @@ def initialize(
       OSError: if process 0 finds the coordinator port already in use.
     """
     global _group
+    _own_stdout()
     if _group is not None:
         return _group
     settings = _Settings.resolve(

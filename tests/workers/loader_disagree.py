@@ -1,6 +1,6 @@
 """Worker: processes that build their loaders differently get an error at the first batch, on every process.
 
-    python loader_disagree.py seed|batch|size|position
+python loader_disagree.py seed|batch|size|position
 """
 
 import sys
