@@ -540,7 +540,7 @@ def launch_worker(out: Path, *args: str, env: dict[str, str] | None = None) -> s
     return multiprocess.launch(
         # The launcher sees a worker die itself; the peer timeout only matters for a live process that goes silent,
         # and a short one judged a slow process dead on a loaded machine.
-        *("-n", "2", "--max-restarts", "3", "--kill-grace", "1", "--peer-timeout", "30", "--term-timeout", "60"),
+        *("-n", "2", "--max-restarts", "3", "--kill-grace", "1", "--peer-timeout", "15", "--term-timeout", "60"),
         *(WORKER, str(out), str(TWO_PROCESS_STEPS), *args),
         env=env,
     )

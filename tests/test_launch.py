@@ -147,18 +147,18 @@ def test_the_readme_main_command_runs_and_prints_no_gloo_text(tmp_path):
 
 def test_sigkilled_worker_restarts_the_group_and_the_run_completes():
     done = multiprocess.launch(
-        "-n", "2", "--max-restarts", "1", "--kill-grace", "1", "--peer-timeout", "30", GROUP, "die", "1", "12", "1"
+        "-n", "2", "--max-restarts", "1", "--kill-grace", "1", "--peer-timeout", "10", GROUP, "die", "1", "12", "1"
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "process 1 killed by SIGKILL; stopping the others" in done.stderr
+    assert "process 1 killed by SIGKILL; waiting up to 15 s for the others to end" in done.stderr
+    assert "[0] jddp: process 0 of 2 lost process(es) [1]" in done.stderr  # it ended by itself, naming it
     assert "restarting the group (1 of 1)" in done.stderr
     assert sorted(lines_with(done.stdout, "DONE")) == ["[0] DONE 0 attempt 1", "[1] DONE 1 attempt 1"]
     assert len(lines_with(done.stdout, "KILLING")) == 1
 
 
 def test_sigkilled_worker_without_restarts_fails_with_a_summary():
-    # The launcher sees the kill itself: a long peer timeout costs nothing and cannot misfire under load.
-    done = multiprocess.launch("-n", "2", "--kill-grace", "1", "--peer-timeout", "30", GROUP, "die", "1", "12", "1")
+    done = multiprocess.launch("-n", "2", "--kill-grace", "1", "--peer-timeout", "10", GROUP, "die", "1", "12", "1")
     assert done.returncode == 128 + signal.SIGKILL, done.stdout + done.stderr
     assert "summary:" in done.stderr
     assert "first failure: process 1, killed by SIGKILL" in done.stderr
@@ -228,6 +228,108 @@ def test_survivor_of_a_killed_peer_exits_within_the_bound_naming_it():
     killed_at = float(lines_with(outputs[1], "KILLING")[0].split()[1])
     assert ended - killed_at < peer_timeout + 10, multiprocess.show(codes, outputs)
     assert "jddp: process 0 of 2 lost process(es) [1]" in outputs[0]
+
+
+PEER_TIMEOUT = 10
+SURVIVOR_LINE = {
+    "exit3": r"waited \d+ s for process\(es\) \[{v}\], which ended early",
+    "exit0": r"waited \d+ s for process\(es\) \[{v}\], which ended early",
+    "return": r"waited \d+ s for process\(es\) \[{v}\], which ended early",
+    "os_exit": r"lost process\(es\) \[{v}\]: no sign of life",
+    "raise": r"process {v} ended with an unhandled exception",
+    "sigkill": r"lost process\(es\) \[{v}\]: no sign of life",
+    "sigstop": r"lost process\(es\) \[{v}\]: no sign of life",
+    "gil": r"lost process\(es\) \[{v}\]: no sign of life",
+}
+VICTIM_CODE = {"exit3": 3, "exit0": 0, "return": 0, "os_exit": 7, "raise": 1, "sigkill": -signal.SIGKILL}
+
+
+def end_group(victim: int, how: str) -> tuple[list, list[str], float]:
+    """Runs ``group.py end`` as two processes without a launcher; returns codes, outputs and how long after the
+    victim's end the survivor exited. A victim that cannot exit by itself (stopped, or stuck holding the GIL)
+    is killed once the survivor has ended."""
+    procs = multiprocess.spawn(GROUP, 2, 1, "end", str(victim), how, JDDP_PEER_TIMEOUT=str(PEER_TIMEOUT))
+    survivor = procs[1 - victim]
+    try:
+        survivor.wait(timeout=240)
+        ended = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None and (how in ("sigstop", "gil") or p is survivor):
+                p.kill()
+    codes, outputs = multiprocess.collect(procs, timeout=120)
+    ending = lines_with(outputs[victim], "ENDING")
+    assert ending, multiprocess.show(codes, outputs)
+    return codes, outputs, ended - float(ending[0].split()[1])
+
+
+@pytest.mark.parametrize(
+    ("victim", "how"),
+    [(1, how) for how in SURVIVOR_LINE] + [(0, "exit3"), (0, "return"), (0, "raise"), (0, "sigstop"), (0, "gil")],
+    ids=lambda x: f"process-{x}" if isinstance(x, int) else x,
+)
+def test_a_process_that_ends_early_ends_the_group_in_bounded_time_naming_it(victim, how):
+    """Whatever way one process ends while the other trains, the other exits 69 within peer timeout + 10 s with
+    a line naming it; the one that ended keeps its own exit code."""
+    codes, outputs, after = end_group(victim, how)
+    survivor = 1 - victim
+    assert codes[survivor] == exitcodes.EXIT_PEER_LOST, multiprocess.show(codes, outputs)
+    assert after < PEER_TIMEOUT + 10, (after, multiprocess.show(codes, outputs))
+    expected = SURVIVOR_LINE[how].format(v=victim)
+    if victim == 0 and how == "sigstop":  # the coordinator is frozen: it no longer answers at all
+        expected = r"lost the coordinator \(process 0 at .*\): no answer for 10 s|" + expected
+    assert re.search(rf"jddp: process {survivor} of 2 ({expected})", outputs[survivor]), outputs[survivor]
+    if how in VICTIM_CODE:
+        assert codes[victim] == VICTIM_CODE[how], multiprocess.show(codes, outputs)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "victim", "how"), [(1, 1, "exit3"), (1, 1, "sigkill"), (1, 0, "raise"), (2, 1, "exit3"), (2, 0, "exit0")]
+)
+def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(nodes, victim, how):
+    """One launcher for both processes, or one per "host" (--nnodes 2 on loopback): the survivor prints its
+    line naming the process (the launcher waits for it instead of killing it first), the group ends within
+    peer timeout + 10 s, and the summary names the process that ended first."""
+    port = str(net.free_port())
+    common = ("--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1")
+    if nodes == 1:
+        argvs = [("-n", "2", *common)]
+    else:
+        argvs = [
+            ("--nnodes", "2", "--node-rank", str(i), "--coordinator", f"127.0.0.1:{port}", *common) for i in (0, 1)
+        ]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jddp.launch", *argv, GROUP, "end", str(victim), how],
+            env=multiprocess.environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=multiprocess.ROOT,
+        )
+        for argv in argvs
+    ]
+    results = [launcher.communicate(timeout=240) for launcher in launchers]
+    ended = time.time()
+    stdout = "".join(out for out, _ in results)
+    stderr = "".join(err for _, err in results)
+    shown = stdout[-2000:] + stderr[-4000:]
+    ending = lines_with(stdout, "ENDING")
+    assert ending, shown
+    assert ended - float(ending[0].split()[-1]) < PEER_TIMEOUT + 10, shown
+    survivor = 1 - victim
+    expected = SURVIVOR_LINE[how].format(v=victim)
+    assert re.search(rf"\[{survivor}\] jddp: process {survivor} of 2 ({expected})", stderr), shown
+    code = VICTIM_CODE[how]
+    victim_says = exitcodes.describe(code)
+    assert f"first failure: process {victim}, {victim_says}" in stderr or nodes == 2, shown
+    codes = [launcher.returncode for launcher in launchers]
+    if nodes == 1:
+        assert codes == [code if code >= 0 else 128 - code], shown
+    else:
+        assert codes[survivor] == exitcodes.EXIT_PEER_LOST and codes[victim] == (code if code >= 0 else 128 - code), (
+            shown
+        )
 
 
 def test_barrier_times_out_naming_the_missing_process():

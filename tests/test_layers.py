@@ -132,4 +132,5 @@ def test_names_shared_by_layers_that_may_not_import_each_other_agree():
     from jddp.runtime import distributed
 
     assert launch.ENV_STDOUT_FD == distributed.ENV_STDOUT_FD
+    assert launch.DEFAULT_PEER_TIMEOUT_S == distributed.DEFAULT_PEER_TIMEOUT_S
     assert config.FINGERPRINT == digest.FINGERPRINT

@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from jddp.runtime import dispatch
+from jddp.runtime import dispatch, watchdog
 
 
 def all_agree(flag: bool) -> bool:
@@ -18,7 +18,8 @@ def all_agree(flag: bool) -> bool:
         return flag
     from jax.experimental import multihost_utils
 
-    flags = np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32)))
+    with watchdog.waiting():
+        flags = np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32)))
     return bool(flags.min())
 
 
@@ -109,7 +110,8 @@ class Preemption:
         dispatch.DISPATCHER.drain()  # no other program with collectives in flight (docs/jax_notes.md: deadlock)
         from jax.experimental import multihost_utils
 
-        rows = np.asarray(multihost_utils.process_allgather(np.asarray([int(self.notice), interval], np.int32)))
+        with watchdog.waiting():
+            rows = np.asarray(multihost_utils.process_allgather(np.asarray([int(self.notice), interval], np.int32)))
         rows = rows.reshape(jax.process_count(), 2)
         self.next_check = step + int(rows[0, 1])  # process 0's proposal, the same everywhere
         self.last = (step, time.monotonic())

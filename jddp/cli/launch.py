@@ -81,6 +81,7 @@ from types import FrameType
 from jddp import exitcodes, net
 from jddp.cli import output
 
+DEFAULT_PEER_TIMEOUT_S = 30.0  # jddp.runtime.distributed.DEFAULT_PEER_TIMEOUT_S (this module imports no JAX)
 ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # the pipe for Python's stdout (jddp.runtime.distributed.ENV_STDOUT_FD)
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -238,6 +239,7 @@ class _Worker:
     popen: subprocess.Popen[bytes]
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     code: int | None = None
+    ended: float | None = None  # monotonic time its exit was seen
 
 
 class _Launcher:
@@ -296,6 +298,8 @@ class _Launcher:
         for w in self.workers:
             if w.code is None:
                 w.code = w.popen.poll()
+                if w.code is not None:
+                    w.ended = time.monotonic()
 
     def signal_all(self, signum: int) -> None:
         """Signals each process's whole session (its own children too, even after it exited)."""
@@ -365,7 +369,15 @@ class _Launcher:
         ]
         if not failed:
             return None
-        return min(failed, key=lambda wc: (exitcodes.is_peer_failure(wc[1]), wc[1] >= 0))[0]
+        first = min(failed, key=lambda wc: (exitcodes.is_peer_failure(wc[1]), wc[1] >= 0))[0]
+        if exitcodes.is_peer_failure(first.code or 0):
+            # Only processes that lost a peer: the cause may be one that ended normally (exit 0) before them,
+            # e.g. a script that returned early while the others still needed it.
+            last = first.ended if first.ended is not None else time.monotonic()
+            early = [w for w in self.workers if w.code == 0 and w.ended is not None and w.ended <= last]
+            if early:
+                return min(early, key=lambda w: w.ended or 0.0)
+        return first
 
     def run_once(self, attempt: int) -> tuple[str, _Worker | None]:
         """Runs one attempt; returns ("ok" | "failed" | "preempted" | "signal", the first failed process)."""
@@ -379,9 +391,17 @@ class _Launcher:
             if first_failed is not None:
                 assert first_failed.code is not None  # first_failure picks among processes that exited
                 what = exitcodes.describe(first_failed.code)
-                self.output.say(f"process {first_failed.process_id} {what}; stopping the others")
-                self.stop_all(self.config.kill_grace)
-                return "failed", first_failed
+                # The others end by themselves within the peer timeout, each naming what it lost (exit 69);
+                # signals only for those that do not.
+                wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5
+                self.output.say(
+                    f"process {first_failed.process_id} {what}; waiting up to {wait:g} s for the others to end, "
+                    "then stopping them"
+                )
+                if not self.wait_all(wait):
+                    self.stop_all(self.config.kill_grace)
+                self.poll()
+                return "failed", self.first_failure() or first_failed
             if all(w.code is not None for w in self.workers):
                 self.finish_output()
                 if any(w.code == exitcodes.EXIT_PREEMPTED for w in self.workers):

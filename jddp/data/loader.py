@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime, validate
 from jddp.data import sampler as sampler_lib
-from jddp.runtime import dispatch, distributed, packing
+from jddp.runtime import dispatch, distributed, packing, watchdog
 
 Example = dict[str, np.ndarray]
 Transform = Callable[[Example, np.random.Generator], Example]
@@ -445,7 +445,8 @@ class DataLoader:
         row = np.zeros(_SETTINGS_BYTES, np.uint8)
         row[: len(text)] = np.frombuffer(text, np.uint8)
         dispatch.DISPATCHER.drain()  # no other program with collectives in flight
-        rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), _SETTINGS_BYTES)
+        with watchdog.waiting():
+            rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), _SETTINGS_BYTES)
         every = [json.loads(bytes(r).rstrip(b"\0")) for r in rows]
         for key in mine:
             values = [e.get(key) for e in every]

@@ -7,6 +7,8 @@ from collections.abc import Iterator, Mapping
 import jax
 import numpy as np
 
+from jddp.runtime import watchdog
+
 
 class Metrics(Mapping[str, float]):
     """A read-only mapping of metric names to Python floats.
@@ -33,7 +35,8 @@ class Metrics(Mapping[str, float]):
 
     def _values(self) -> dict[str, float]:
         if self._host is None:
-            values = np.asarray(self.packed).tolist()
+            with watchdog.waiting():  # the step's output: in a group, it needs every peer
+                values = np.asarray(self.packed).tolist()
             self._host = dict(zip(self.names, values[: len(self.names)], strict=True))
             self._weights = dict(zip(self.names, values[len(self.names) :], strict=False))
         return self._host

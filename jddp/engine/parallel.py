@@ -18,7 +18,7 @@ from jddp import typing as jt
 from jddp.engine import checks, comm, fused, replicas
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
-from jddp.runtime import dispatch, distributed
+from jddp.runtime import dispatch, distributed, watchdog
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
@@ -223,7 +223,8 @@ class DataParallel:
         if step_lib.leading_size(batch) == 0:
             return self._empty_step(state)
         dispatch.DISPATCHER.before(self._step, self.options.max_inflight)
-        (step, params, opt_state, model_state), packed = self._step(*self._args(state, batch))
+        with watchdog.waiting():  # on CPU the call may run the program, and its collectives, before it returns
+            (step, params, opt_state, model_state), packed = self._step(*self._args(state, batch))
         dispatch.DISPATCHER.after(packed)
         state = state_lib.TrainState(step, params, opt_state, model_state, state.rng)
         metrics = metrics_lib.Metrics(self._device.names["step"], packed)
@@ -264,7 +265,8 @@ class DataParallel:
             packed = jax.device_put(np.zeros(2 * len(names) - 1, np.float32), self._rep)
             return metrics_lib.Metrics(names, packed)
         dispatch.DISPATCHER.before(self._eval, self.options.max_inflight)
-        packed = self._eval(*self._args(state, batch))
+        with watchdog.waiting():
+            packed = self._eval(*self._args(state, batch))
         dispatch.DISPATCHER.after(packed)
         return metrics_lib.Metrics(self._device.names["eval"], packed)
 

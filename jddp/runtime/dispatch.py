@@ -24,6 +24,8 @@ from typing import Any
 
 import jax
 
+from jddp.runtime import watchdog
+
 
 class Dispatcher:
     """Tracks pending outputs of compiled programs; see the module docstring."""
@@ -38,7 +40,8 @@ class Dispatcher:
             self.drain()
             self._program = program
         while len(self._pending) >= max_inflight:
-            jax.block_until_ready(self._pending.popleft())
+            with watchdog.waiting():
+                jax.block_until_ready(self._pending.popleft())
 
     def after(self, outputs: Any) -> None:
         """Records ``outputs`` (never donated later) of the call just dispatched."""
@@ -47,7 +50,8 @@ class Dispatcher:
     def drain(self) -> None:
         """Waits for every pending output."""
         while self._pending:
-            jax.block_until_ready(self._pending.popleft())
+            with watchdog.waiting():
+                jax.block_until_ready(self._pending.popleft())
 
 
 DISPATCHER = Dispatcher()

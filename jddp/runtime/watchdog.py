@@ -21,6 +21,23 @@ on that round, so a long pause in this process is not blamed on its peers. A
 peer that ended normally (its script returned) is waited for at exit by a
 barrier, which is what lets the last processes finish their work.
 
+A process that ends early without an exception (``sys.exit`` with any code, a
+``return`` from ``main`` before the others are done) is marked DONE by the
+``atexit`` hook and waits for its peers there; a peer that then waits in a jddp
+call that needs it (a step's output, metrics, an agreement: ``waiting()``) for
+``peer_timeout_s`` ends with 69 naming it, instead of waiting forever. A process
+that ends with 69 marks itself LOST first, so that a DONE process waiting for
+it exits at once, with its own code.
+
+Nothing in the watchdog waits on the coordinator without a deadline: each
+key-value call runs in a helper thread and counts as the coordinator lost after
+``peer_timeout_s`` (a frozen process 0 answers nothing, and gRPC has no
+deadline of its own here). A SIGKILLed process 0 closes its socket, and JAX's
+client aborts the process from C++ at once (exit 134, "the distributed service
+detected fatal errors"); JAX 0.10's ``missed_heartbeat_callback`` would let
+Python act first but throws ``std::bad_cast`` when given a Python callable, so
+that exit stays JAX's, and ``jddp launch`` names process 0 as the first failure.
+
 The exit hooks: ``sys.excepthook`` marks this process FAILED (after giving the
 watchdog time to name a lost peer when a collective failed first), and an
 ``atexit`` hook marks it DONE and waits for every peer to finish.
@@ -29,7 +46,9 @@ watchdog time to name a lost peer when a collective failed first), and an
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import queue
 import sys
 import threading
 import time
@@ -40,6 +59,7 @@ from jddp.runtime import jax_internals
 ALIVE_PREFIX = "jddp/alive/"
 DONE = "done"
 FAILED = "failed"
+LOST = "lost"  # ended with EXIT_PEER_LOST
 
 _watchdog: Watchdog | None = None
 
@@ -65,6 +85,33 @@ class Watchdog(threading.Thread):
         self.state: str | None = None  # None while running, then DONE or FAILED
         self.stopped = threading.Event()
         self.key = f"{ALIVE_PREFIX}{process_id}"
+        self.waiting_since: float | None = None  # set while the main thread waits in a jddp call (``waiting``)
+        self.peers_gone: str | None = None  # after DONE: why waiting for the peers is pointless
+        # Key-value calls run in a daemon thread of their own (not an executor: Python's shutdown joins those
+        # and refuses new work before the atexit hook below runs).
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="jddp-watchdog-kv", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, kwargs, done, box = self._calls.get()
+            try:
+                box.append((True, fn(*args, **kwargs)))
+            except BaseException as error:
+                box.append((False, error))
+            done.set()
+
+    def call(self, fn, *args, timeout_s: float | None = None, **kwargs):
+        """``fn(*args, **kwargs)`` on the coordinator, or ``TimeoutError`` after ``timeout_s``: a frozen coordinator
+        never answers, and this thread must not wait for it forever."""
+        done, box = threading.Event(), []
+        self._calls.put((fn, args, kwargs, done, box))
+        if not done.wait(self.peer_timeout_s if timeout_s is None else timeout_s):
+            raise TimeoutError(f"no answer from the coordinator to {getattr(fn, '__name__', fn)}")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def run(self) -> None:
         peers = [p for p in range(self.num_processes) if p != self.process_id]
@@ -75,35 +122,59 @@ class Watchdog(threading.Thread):
         while not self.stopped.wait(self.interval):
             counter += 1
             try:
-                self.client.key_value_set(self.key, self.state or str(counter), allow_overwrite=True)
-                entries = self.client.key_value_dir_get(ALIVE_PREFIX)
+                self.call(self.client.key_value_set, self.key, self.state or str(counter), allow_overwrite=True)
+                entries = self.call(self.client.key_value_dir_get, ALIVE_PREFIX)
             except Exception as error:
                 if (
                     self.stopped.is_set() or jax_internals.distributed_client() is None
                 ):  # stopped, or jax.distributed.shutdown() was called
                     return
-                self._fail(
-                    f"lost the coordinator (process 0 at {self.coordinator}): "
-                    f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
-                )
+                if isinstance(error, TimeoutError):
+                    why = f"no answer for {self.peer_timeout_s:g} s (frozen or unreachable)"
+                else:
+                    why = str(error).splitlines()[0] if str(error) else type(error).__name__
+                self._end(f"lost the coordinator (process 0 at {self.coordinator}): {why}")
+                return
             now = time.monotonic()
             starved = now - last_round > self.peer_timeout_s / 2
             last_round = now
             values = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
+            reason = None
             for p in peers:
                 value = values.get(p)
                 if value == FAILED:
-                    self._fail(f"process {p} ended with an unhandled exception (see its output)")
+                    reason = f"process {p} ended with an unhandled exception (see its output)"
+                elif value == LOST:
+                    reason = f"process {p} lost a peer and ended (exit {exitcodes.EXIT_PEER_LOST})"
                 if value != last_value[p] or starved or value == DONE:
                     last_value[p], last_change[p] = value, now
             silent = [p for p in peers if now - last_change[p] > self.peer_timeout_s]
             if silent:
-                self._fail(
+                reason = (
                     f"lost process(es) {silent}: no sign of life for more than {self.peer_timeout_s:g} s "
                     "(killed, crashed or frozen)"
                 )
+            ended = [p for p in peers if values.get(p) == DONE]
+            since = self.waiting_since
+            shutdown = False
+            if reason is None and ended and since is not None and now - since > self.peer_timeout_s:
+                reason = (
+                    f"waited {now - since:.0f} s for process(es) {ended}, which ended early (returned from the "
+                    "script or called sys.exit; the exit code is in its output and the launcher's summary) while "
+                    "this one still needed them"
+                )
+                shutdown = True  # nobody is dead: leave the group cleanly, so that the DONE ones exit with their code
+            if reason is not None:
+                self._end(reason, shutdown=shutdown)
+                return
 
-    def _fail(self, reason: str) -> None:
+    def _end(self, reason: str, *, shutdown: bool = False) -> None:
+        """A running process exits with 69; one that is exiting already (DONE) stops waiting for its peers."""
+        if self.state is None:
+            self._fail(reason, shutdown=shutdown)
+        self.peers_gone = reason
+
+    def _fail(self, reason: str, *, shutdown: bool = False) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -114,14 +185,56 @@ class Watchdog(threading.Thread):
             f"exiting with code {exitcodes.EXIT_PEER_LOST}.\n"
         )
         os.write(2, message.encode())
+        with contextlib.suppress(Exception):  # tell the peers, briefly: the coordinator may be what was lost
+            self.call(self.client.key_value_set, self.key, LOST, allow_overwrite=True, timeout_s=2.0)
+        if self.process_id == 0 and not shutdown:
+            self.linger()
+        if shutdown:
+            # Every peer is alive (some exiting): meet them at JAX's shutdown barrier, which the ones at exit
+            # reach once they see LOST. Without it, process 0's exit would take its coordination service away
+            # and JAX would abort them (exit 134) instead of letting them exit with their own code.
+            with contextlib.suppress(Exception):
+                self.call(self.client.shutdown, timeout_s=min(10.0, self.peer_timeout_s))
         os._exit(exitcodes.EXIT_PEER_LOST)
+
+    def linger(self, limit_s: float | None = None) -> None:
+        """Process 0 hosts the coordination service: its exit makes JAX abort every other process (exit 134). So
+        it waits, briefly, until the others have ended or marked how they end (they see its mark within one
+        round of their watchdogs), and only then exits."""
+        deadline = time.monotonic() + (2 * self.interval + 1.0 if limit_s is None else limit_s)
+        peers = set(range(self.num_processes)) - {self.process_id}
+        while time.monotonic() < deadline:
+            try:
+                values = {
+                    int(k.rsplit("/", 1)[1]): v
+                    for k, v in self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0)
+                }
+            except Exception:
+                return
+            if all(values.get(p) in (DONE, FAILED, LOST) for p in peers):
+                time.sleep(self.interval)  # time for their exit to get past JAX's client
+                return
+            time.sleep(self.interval / 2)
 
     def mark(self, state: str) -> None:
         self.state = state
-        try:
-            self.client.key_value_set(self.key, state, allow_overwrite=True)
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):
+            self.call(self.client.key_value_set, self.key, state, allow_overwrite=True, timeout_s=5.0)
+
+
+@contextlib.contextmanager
+def waiting():
+    """Around a jddp call where the main thread waits for peers (a step's output, an agreement): while it lasts,
+    a peer that ended early (DONE) is not waited for longer than the peer timeout. Nests; free outside a group."""
+    watchdog = _watchdog
+    if watchdog is None or watchdog.waiting_since is not None:
+        yield
+        return
+    watchdog.waiting_since = time.monotonic()
+    try:
+        yield
+    finally:
+        watchdog.waiting_since = None
 
 
 def _install_exit_hooks() -> None:
@@ -160,20 +273,24 @@ def _at_exit() -> None:
     if watchdog is None or not watchdog.is_alive():
         return
     if watchdog.state == FAILED:
-        # Peers stop on the mark; waiting for them at a barrier would only delay the exit.
+        # Peers stop on the mark; waiting for them at a barrier would only delay the exit (process 0 waits until
+        # they have seen it: its exit would abort them).
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        if watchdog.process_id == 0:
+            watchdog.linger(limit_s=watchdog.peer_timeout_s)
         os._exit(1)
     watchdog.mark(DONE)
     # Wait for every peer to finish, however long its remaining work takes: the watchdog (still running) ends
     # this process if a peer dies or fails meanwhile. Only then does JAX's own time-limited shutdown barrier run.
     peers = set(range(watchdog.num_processes)) - {watchdog.process_id}
-    while True:
+    while watchdog.peers_gone is None:
         try:
-            values = {int(k.rsplit("/", 1)[1]): v for k, v in watchdog.client.key_value_dir_get(ALIVE_PREFIX)}
+            entries = watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX)
+            values = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
         except Exception:
             break  # the coordinator is gone: nothing left to wait for
-        if all(values.get(p) in (DONE, FAILED) for p in peers):
+        if all(values.get(p) in (DONE, FAILED, LOST) for p in peers):
             break
         time.sleep(watchdog.interval)
     watchdog.stopped.set()

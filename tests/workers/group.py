@@ -8,6 +8,8 @@ Modes:
   barrier        process 1 skips the first barrier: process 0's must time out naming it
   diverge        init with a broadcast that does nothing: DataParallel.init must name process 1
   preempt        loop until every process agrees on a preemption step (SIGTERM), then exit 75
+  end V HOW      train with DataParallel; at step 3 process V ends by HOW (exit3, exit0, return, os_exit,
+                 raise, sigkill, sigstop, gil: a C loop that holds the GIL); prints ENDING <time> first
 """
 
 import json
@@ -77,6 +79,36 @@ elif mode == "die":
             os.kill(os.getpid(), 9)
         time.sleep(0.05)
     print(f"DONE {me} attempt {restart}")
+elif mode == "end":
+    import optax
+
+    victim, how = int(args[0]), args[1]
+    dp = jddp.DataParallel(
+        lambda p, s, b, r: (jnp.mean((b["x"] @ p["w"]) ** 2), (s, {})), optax.sgd(0.01), mesh=jddp.data_mesh()
+    )
+    state = dp.init({"w": np.ones((4, 1), np.float32)})
+    local = np.ones((2 * jax.local_device_count(), 4), np.float32)
+    batch = {"x": jax.make_array_from_process_local_data(jddp.batch_sharding(dp.mesh), local)}
+    for step in range(100000):
+        state, metrics = dp.step(state, batch)
+        float(metrics["loss"])  # waits for the step, as a loop that logs does
+        if step == 3 and me == victim:
+            print(f"ENDING {time.time()}", flush=True)
+            if how == "exit3":
+                sys.exit(3)
+            if how in ("exit0", "return"):
+                break  # falls off the end of the script: exit 0 while the others still train
+            if how == "os_exit":
+                os._exit(7)
+            if how == "raise":
+                raise RuntimeError("a check failed on one process")
+            if how == "sigkill":
+                os.kill(os.getpid(), 9)
+            if how == "sigstop":
+                os.kill(os.getpid(), 19)
+            if how == "gil":
+                sum(range(10**12))  # C code that never gives the GIL back
+        time.sleep(0.01)
 elif mode == "sockets":
     gather([me])
     print("SOCKETS " + json.dumps(tcp_sockets()))
