@@ -293,7 +293,8 @@ class DataLoader:
 
     Example:
       >>> import numpy as np, jddp
-      >>> loader = jddp.data.DataLoader({"x": np.arange(20.0)}, global_batch_size=8, shuffle=False, drop_last=False)
+      >>> loader = jddp.data.DataLoader({"x": np.arange(20, dtype=np.float32)}, global_batch_size=8, shuffle=False,
+      ...                               drop_last=False)
       >>> [b["mask"].sum().item() for b in loader], loader.get_state()["epoch"]
       ([8.0, 8.0, 4.0], 1)
     """
