@@ -167,7 +167,14 @@ class Checkpointer:
         """Steps with a published checkpoint, oldest first (read afresh from the directory when read-only)."""
         self._join()
         if self.read_only:
-            self._manager.reload()
+            for attempt in range(5):  # the writer's retention may remove a step while Orbax lists it
+                try:
+                    self._manager.reload()
+                    break
+                except FileNotFoundError:
+                    if attempt == 4:
+                        raise
+                    time.sleep(0.05)
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
