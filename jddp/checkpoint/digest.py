@@ -35,6 +35,8 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
     """
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:  # bitcast refuses bool: its bytes as uint8 (a bool model-state leaf, a flag)
+        x = x.astype(jnp.uint8)
     if x.dtype.itemsize == 2:
         words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     elif x.dtype.itemsize == 1:
