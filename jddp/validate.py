@@ -22,3 +22,7 @@ def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         what = f"an int >= {minimum}" + (" or None" if optional else "")
         raise ValueError(f"`{name}` must be {what}, got {name}={value!r}." + (f" {fix}" if fix else ""))
+
+
+# NumPy dtype kinds that cannot go to a device: objects, strings, bytes, raw records, datetimes, timedeltas.
+NOT_NUMERIC_KINDS = "OUSVMm"

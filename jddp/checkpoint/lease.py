@@ -205,18 +205,16 @@ def take(directory, timeout_s: float) -> Lease | None:
     """
     import jax
 
-    from jddp.checkpoint import preemption
+    from jddp.checkpoint import preemption, storage
 
     held, refusal = None, None
-    if jax.process_index() == 0 and "://" not in str(directory):
+    if jax.process_index() == 0 and not storage.is_remote(directory):
         held = Lease(Path(directory), timeout_s=timeout_s, processes=jax.process_count())
         try:
             held.acquire()
         except CheckpointLeaseError as error:
             held, refusal = None, error
         except OSError as error:  # the lease is process 0's first write in the directory
-            from jddp.checkpoint import storage
-
             held, refusal = None, storage.not_writable(directory, error)
     if not preemption.all_agree(refusal is None):
         if held is not None:

@@ -133,7 +133,7 @@ _NARROW = {
 def _canonical(name: str, array: np.ndarray, what: str = "the source") -> np.ndarray:
     """``array`` in a dtype the devices take (64-bit narrowed unless x64 is on); strings and objects refused."""
     dtype = array.dtype
-    if dtype.kind in "OUSVMm":
+    if dtype.kind in validate.NOT_NUMERIC_KINDS:
         raise TypeError(
             f"DataLoader field {name!r} of {what} has dtype {dtype} ({_KINDS[dtype.kind]}): only numbers and "
             "bools can go to the devices. Encode it as numbers (e.g. integer ids), drop it from the source, or "

@@ -63,8 +63,9 @@ def check_call(dp, state, batch) -> None:
             f"uses {dp._rep}. Build the state with this object's `init`, or restore the "
             "checkpoint onto this mesh."
         )
-    donated = [x for x in (state.step, *jax.tree.leaves(state.params)[:1]) if getattr(x, "is_deleted", bool)()]
-    if donated:
+    # The step counter is donated with the rest of the state (one argument): checking it alone is enough, and
+    # does not flatten the parameters at every step.
+    if getattr(state.step, "is_deleted", bool)():
         raise ValueError(
             "`state` was donated to an earlier step: `step` reuses its input state's memory for the new state "
             "(donate=True), so an old state cannot be stepped again. Use the state that `step` returned "
@@ -94,7 +95,7 @@ def check_batch(dp, batch, leaves) -> None:
         )
     for path, x in jax.tree.leaves_with_path(batch):
         dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
-        if dtype.kind in "OUSVMm":
+        if dtype.kind in validate.NOT_NUMERIC_KINDS:
             raise TypeError(
                 f"batch{jax.tree_util.keystr(path)} has dtype {dtype}: only numbers and bools can go to the "
                 "devices. Encode it as numbers (e.g. integer ids) or keep it out of the batch."
