@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -31,3 +32,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises, naming the address and the fix, unless the coordination service can listen on ``host:port``.
+
+    Raises:
+      OSError: ``EADDRINUSE`` when another program listens there; the bind error otherwise.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"The coordinator address {host}:{port} is already in use by another program, so the "
+                    "coordination service cannot start there. Pick another port (`jddp launch --coordinator "
+                    f"{host}:<port>`), or leave --coordinator out and jddp launch picks a free one.",
+                ) from None
+            raise OSError(e.errno, f"Cannot bind the coordinator address {host}:{port}: {e.strerror}.") from None

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jddp
+from jddp import net
 from jddp.runtime import jax_internals
 
 
@@ -63,6 +64,21 @@ def test_use_gloo_with_hostname():
     for name in ("register_backend_factory", "make_cpu_client"):
         assert callable(private("jax._src.xla_bridge", name)), moved("use_gloo_with_hostname", f"xla_bridge.{name}")
     # The two-host test (tests/test_two_hosts.py) is where the registration itself is exercised.
+
+
+def test_start_coordination_service():
+    """A service alone, with no client: it listens on the port it was given, and shuts down."""
+    assert callable(getattr(private("jax._src.lib", "_jax"), "get_distributed_runtime_service", None)), moved(
+        "start_coordination_service", "jax._src.lib._jax.get_distributed_runtime_service"
+    )
+    port = net.free_port()
+    service = jax_internals.start_coordination_service(f"127.0.0.1:{port}", 2, 60, 5)
+    try:
+        with pytest.raises(OSError, match="already in use"):
+            net.check_port_free("127.0.0.1", port)
+    finally:
+        service.shutdown()
+    net.check_port_free("127.0.0.1", port)
 
 
 def test_batched_device_put_equals_device_put():

@@ -284,12 +284,26 @@ def test_a_process_that_ends_early_ends_the_group_in_bounded_time_naming_it(vict
 
 
 @pytest.mark.parametrize(
-    ("nodes", "victim", "how"), [(1, 1, "exit3"), (1, 1, "sigkill"), (1, 0, "raise"), (2, 1, "exit3"), (2, 0, "exit0")]
+    ("nodes", "victim", "how"),
+    [
+        (1, 1, "exit3"),
+        (1, 1, "sigkill"),
+        (1, 0, "raise"),
+        (1, 0, "sigkill"),
+        (1, 0, "os_exit"),
+        (1, 0, "sigstop"),
+        (1, 1, "gil"),
+        (2, 1, "exit3"),
+        (2, 1, "os_exit"),
+        (2, 0, "exit0"),
+        (2, 0, "sigkill"),
+    ],
 )
 def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(nodes, victim, how):
     """One launcher for both processes, or one per "host" (--nnodes 2 on loopback): the survivor prints its
     line naming the process (the launcher waits for it instead of killing it first), the group ends within
-    peer timeout + 10 s, and the summary names the process that ended first."""
+    peer timeout + 10 s, and the summary names the process that ended first, or the frozen one that its launcher
+    had to stop. Losing process 0 is no different: the coordination service runs in the launcher's own process."""
     port = str(net.free_port())
     common = ("--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1")
     if nodes == 1:
@@ -320,8 +334,10 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
     survivor = 1 - victim
     expected = SURVIVOR_LINE[how].format(v=victim)
     assert re.search(rf"\[{survivor}\] jddp: process {survivor} of 2 ({expected})", stderr), shown
-    code = VICTIM_CODE[how]
+    code = VICTIM_CODE.get(how, -signal.SIGKILL)  # a frozen process is killed by its launcher
     victim_says = exitcodes.describe(code)
+    if how in ("sigstop", "gil"):
+        victim_says = f"did not end with the group (frozen or stuck), stopped by the launcher: {victim_says}"
     assert f"first failure: process {victim}, {victim_says}" in stderr or nodes == 2, shown
     codes = [launcher.returncode for launcher in launchers]
     if nodes == 1:
@@ -385,6 +401,27 @@ def test_coordinator_port_in_use_is_a_clear_error():
         port = busy.getsockname()[1]
         done, _ = run_initialize(JDDP_COORDINATOR=f"127.0.0.1:{port}", JDDP_NUM_PROCESSES="2", JDDP_PROCESS_ID="0")
     assert f"ERROR OSError: [Errno 98] The coordinator address 127.0.0.1:{port} is already in use" in done.stdout
+
+
+def test_launcher_with_a_coordinator_port_in_use_says_so_and_starts_nothing(tmp_path):
+    """The launcher's coordination service cannot start: the same clear error, exit 1, no process started."""
+    marker = tmp_path / "started"
+    script = tmp_path / "touch.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "jddp.launch", "-n", "2", "--coordinator", f"127.0.0.1:{port}", str(script)],
+            env=multiprocess.environment(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"The coordinator address 127.0.0.1:{port} is already in use" in done.stderr, done.stderr
+    assert not marker.exists()
 
 
 def test_process_id_must_be_below_the_process_count(monkeypatch):

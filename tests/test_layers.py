@@ -129,8 +129,10 @@ def test_names_shared_by_layers_that_may_not_import_each_other_agree():
     from jddp import config
     from jddp.checkpoint import digest
     from jddp.cli import launch
-    from jddp.runtime import distributed
+    from jddp.runtime import coordinator, distributed
 
     assert launch.ENV_STDOUT_FD == distributed.ENV_STDOUT_FD
     assert launch.DEFAULT_PEER_TIMEOUT_S == distributed.DEFAULT_PEER_TIMEOUT_S
+    assert launch.ENV_COORDINATOR_HOSTED == distributed.ENV_COORDINATOR_HOSTED
+    assert launch.SERVICE_READY.decode() == coordinator.READY
     assert config.FINGERPRINT == digest.FINGERPRINT

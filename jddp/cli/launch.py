@@ -25,7 +25,15 @@ What each process gets: the environment variables ``JDDP_COORDINATOR``
 (with ``--peer-timeout``), ``JDDP_RESTART_COUNT`` (0 on the first attempt) and
 ``JDDP_MAX_RESTARTS``. The script calls ``jddp.initialize()`` to join the group.
 Without ``--coordinator`` the coordinator is ``127.0.0.1`` on a free port (a new
-one for every attempt): a local run listens on loopback only. Unless
+one for every attempt): a local run listens on loopback only.
+
+The coordination service: node 0's launcher runs it in a process of its own
+for every attempt (``python -m jddp.runtime.coordinator``, see there), not in
+process 0, and the processes get ``JDDP_COORDINATOR_HOSTED=1``. Losing process 0
+is then like losing any other: JAX would otherwise abort every survivor from
+C++ the moment process 0 dies. After a failure of its own processes, node 0's
+launcher keeps the service up ``peer timeout + 5`` seconds more, so that the
+other nodes' processes find the failed one and name it. Unless
 ``GLIBC_TUNABLES`` is already set, workers get glibc allocator settings that
 keep freed memory mapped (``--no-malloc-tuning`` turns this off); XLA:CPU
 allocates fresh buffers for every collective, and this setting made gloo
@@ -37,11 +45,14 @@ Output: every line a process prints is prefixed with its process index,
 
 Failures and restarts: the launcher polls its processes every
 ``--monitor-interval`` seconds. When one exits with a non-zero code, or is
-killed, the group is broken: the launcher sends the others SIGTERM, then
-SIGKILL after ``--kill-grace`` seconds, and starts the whole group again, up to
-``--max-restarts`` times (a script resumes from its latest checkpoint, see
-``jddp.Checkpointer``). When no restart is left, it prints a summary of how each
-process ended, naming the first that failed, and exits with that process's code
+killed, the group is broken. The others get ``peer timeout + 5`` seconds to end
+by themselves, each naming what it lost (exit 69); 5 seconds when the first to
+end lost a peer itself: a process still running then is the frozen one. Then
+the launcher sends those left SIGTERM, SIGKILL after ``--kill-grace`` seconds,
+and starts the whole group again, up to ``--max-restarts`` times (a script
+resumes from its latest checkpoint, see ``jddp.Checkpointer``). When no restart
+is left, it prints a summary of how each process ended (saying which ones it
+had to stop), naming the first that failed, and exits with that process's code
 (``128 + N`` for a process killed by signal ``N``). Exits with code 69
 (``jddp.EXIT_PEER_LOST``) or by SIGABRT are consequences of another failure and
 are never named as the cause when a better candidate exists.
@@ -83,6 +94,14 @@ from jddp.cli import output
 
 DEFAULT_PEER_TIMEOUT_S = 30.0  # jddp.runtime.distributed.DEFAULT_PEER_TIMEOUT_S (this module imports no JAX)
 ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # the pipe for Python's stdout (jddp.runtime.distributed.ENV_STDOUT_FD)
+ENV_COORDINATOR_HOSTED = "JDDP_COORDINATOR_HOSTED"  # jddp.runtime.distributed.ENV_COORDINATOR_HOSTED
+# The launcher's coordination service: its heartbeat timeout is a backstop only (the processes' watchdogs and
+# this launcher end a broken group long before), its shutdown timeout that of jddp.initialize's default.
+SERVICE_HEARTBEAT_S = 3600
+SERVICE_SHUTDOWN_S = 300
+SERVICE_START_TIMEOUT_S = 60.0
+PEER_LOST_WAIT_S = 5.0  # after a process exits 69, how long the others get to end by themselves
+SERVICE_READY = b"jddp coordinator: listening on"  # jddp.runtime.coordinator.READY
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -240,6 +259,7 @@ class _Worker:
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     code: int | None = None
     ended: float | None = None  # monotonic time its exit was seen
+    unresponsive: bool = False  # still running when the group had failed: the launcher killed it
 
 
 class _Launcher:
@@ -250,11 +270,60 @@ class _Launcher:
         self.output = output.Output()
         self.signal_received: int | None = None
         self.workers: list[_Worker] = []
+        self.service: subprocess.Popen[bytes] | None = None
+
+    # -- the coordination service (node 0 only) -------------------------------
+    def start_service(self, coordinator: str) -> None:
+        """Starts the group's coordination service in a process of its own and waits until it listens.
+
+        Raises:
+          OSError: the coordinator address is taken, or the service did not start (with its output).
+        """
+        net.check_port_free(*net.split_address(coordinator))
+        argv = [str(self.config.nnodes * self.config.nprocs), str(SERVICE_HEARTBEAT_S), str(SERVICE_SHUTDOWN_S)]
+        self.service = subprocess.Popen(
+            [sys.executable, "-u", "-m", "jddp.runtime.coordinator", coordinator, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher only
+        )
+        assert self.service.stdout is not None
+        said: list[bytes] = []
+        ready = threading.Event()
+
+        def read(pipe) -> None:
+            for line in pipe:
+                if not ready.is_set():
+                    said.append(line)
+                    if line.startswith(SERVICE_READY):
+                        ready.set()
+
+        threading.Thread(target=read, args=(self.service.stdout,), daemon=True).start()
+        deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
+        while not ready.wait(0.05):
+            if self.service.poll() is not None or time.monotonic() > deadline:
+                self.stop_service()
+                text = b"".join(said).decode(errors="replace").strip() or "no output"
+                raise OSError(f"the coordination service at {coordinator} did not start:\n{text}")
+
+    def stop_service(self) -> None:
+        if self.service is None:
+            return
+        if self.service.poll() is None:
+            self.service.terminate()
+            try:
+                self.service.wait(10)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
+                self.service.wait()
+        self.service = None
 
     # -- processes ----------------------------------------------------------
     def start(self, attempt: int) -> None:
         c = self.config
         coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
+        if c.node_rank == 0:
+            self.start_service(coordinator)
         self.workers = [self.start_one(local_rank, coordinator, attempt) for local_rank in range(c.nprocs)]
         first, last = self.workers[0].process_id, self.workers[-1].process_id
         self.output.say(
@@ -264,6 +333,7 @@ class _Launcher:
 
     def start_one(self, local_rank: int, coordinator: str, attempt: int) -> _Worker:
         env = environment(self.config, local_rank, coordinator, attempt)
+        env[ENV_COORDINATOR_HOSTED] = "1"  # node 0's launcher runs it (start_service)
         # Python's stdout gets a pipe of its own (jddp.initialize() moves sys.stdout there), apart from fd 1,
         # where C++ (gloo) writes: see jddp.cli.output.
         python_read, python_write = os.pipe()
@@ -320,6 +390,9 @@ class _Launcher:
 
     def stop_all(self, grace: float) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds, to every process still running."""
+        self.poll()
+        for w in self.workers:
+            w.unresponsive = w.code is None
         self.signal_all(signal.SIGTERM)
         if not self.wait_all(grace):
             self.signal_all(signal.SIGKILL)
@@ -353,23 +426,28 @@ class _Launcher:
 
     # -- the run ------------------------------------------------------------
     def summary(self, first_failed: _Worker | None) -> str:
-        def describe(code: int | None) -> str:  # None: it outlived SIGKILL and the 30 s wait after it
-            return "still running" if code is None else exitcodes.describe(code)
+        def describe(w: _Worker) -> str:
+            if w.code is None:  # it outlived SIGKILL and the 30 s wait after it
+                return "still running"
+            if w.unresponsive:
+                how = exitcodes.describe(w.code)
+                return f"did not end with the group (frozen or stuck), stopped by the launcher: {how}"
+            return exitcodes.describe(w.code)
 
-        lines = [f"process {w.process_id} (pid {w.popen.pid}): {describe(w.code)}" for w in self.workers]
+        lines = [f"process {w.process_id} (pid {w.popen.pid}): {describe(w)}" for w in self.workers]
         if first_failed is not None:
-            lines.append(f"first failure: process {first_failed.process_id}, {describe(first_failed.code)}")
+            lines.append(f"first failure: process {first_failed.process_id}, {describe(first_failed)}")
         return "\n  ".join(["summary:", *lines])
 
     def first_failure(self) -> _Worker | None:
-        """Of the processes found failed in this round, a killed one is the likeliest cause, one that lost a peer
-        the least likely."""
+        """Of the processes found failed in this round, a killed one is the likeliest cause, then one that failed
+        by itself, then one the launcher had to stop (frozen or stuck), and one that lost a peer the least likely."""
         failed = [
             (w, w.code) for w in self.workers if w.code is not None and w.code not in (0, exitcodes.EXIT_PREEMPTED)
         ]
         if not failed:
             return None
-        first = min(failed, key=lambda wc: (exitcodes.is_peer_failure(wc[1]), wc[1] >= 0))[0]
+        first = min(failed, key=lambda wc: (exitcodes.is_peer_failure(wc[1]), wc[0].unresponsive, wc[1] >= 0))[0]
         if exitcodes.is_peer_failure(first.code or 0):
             # Only processes that lost a peer: the cause may be one that ended normally (exit 0) before them,
             # e.g. a script that returned early while the others still needed it.
@@ -381,7 +459,32 @@ class _Launcher:
 
     def run_once(self, attempt: int) -> tuple[str, _Worker | None]:
         """Runs one attempt; returns ("ok" | "failed" | "preempted" | "signal", the first failed process)."""
-        self.start(attempt)
+        try:
+            self.start(attempt)
+            outcome, first_failed = self.watch()
+            if (
+                outcome == "failed"
+                and self.service is not None
+                and self.config.nnodes > 1
+                and first_failed is not None
+                and not exitcodes.is_peer_failure(first_failed.code or 0)
+            ):
+                self.linger()
+            return outcome, first_failed
+        finally:
+            self.stop_service()
+
+    def linger(self) -> None:
+        """After a failure of this node's own, keeps the service up while the other nodes' processes find it by
+        themselves: without it they would only see the coordinator gone, not which process failed."""
+        wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5
+        self.output.say(f"keeping the coordination service up {wait:g} s for the other nodes' processes to end")
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self.signal_received is None:
+            time.sleep(0.1)
+
+    def watch(self) -> tuple[str, _Worker | None]:
+        """Watches the started processes until they all ended; returns as ``run_once`` does."""
         while True:
             if self.signal_received is not None:
                 self.stop_after_signal(self.signal_received)
@@ -392,8 +495,12 @@ class _Launcher:
                 assert first_failed.code is not None  # first_failure picks among processes that exited
                 what = exitcodes.describe(first_failed.code)
                 # The others end by themselves within the peer timeout, each naming what it lost (exit 69);
-                # signals only for those that do not.
+                # signals only for those that do not. When the first to end lost a peer, the others that lost it
+                # judge the same silence and end within a watchdog round; whoever is still running after that is
+                # the frozen one.
                 wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5
+                if exitcodes.is_peer_failure(first_failed.code):
+                    wait = PEER_LOST_WAIT_S
                 self.output.say(
                     f"process {first_failed.process_id} {what}; waiting up to {wait:g} s for the others to end, "
                     "then stopping them"
@@ -434,7 +541,11 @@ class _Launcher:
         try:
             attempt = 0
             while True:
-                outcome, first_failed = self.run_once(attempt)
+                try:
+                    outcome, first_failed = self.run_once(attempt)
+                except OSError as error:  # the coordination service could not start; no process was started
+                    self.output.say(str(error))
+                    return 1
                 if outcome == "failed" and attempt < self.config.max_restarts and self.signal_received is None:
                     attempt += 1
                     restarts = f"{attempt} of {self.config.max_restarts}"

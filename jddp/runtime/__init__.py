@@ -1,7 +1,8 @@
 """The bottom layer: processes, the mesh, program dispatch, the training state and the watchdog.
 
 Modules: ``mesh`` (the data mesh, shardings, simulated CPU devices),
-``distributed`` (``initialize``, ``barrier``), ``watchdog`` (peer liveness and
+``distributed`` (``initialize``, ``barrier``), ``coordinator`` (the coordination
+service in a process of its own, for ``jddp launch``), ``watchdog`` (peer liveness and
 exit hooks), ``dispatch`` (the programs in flight on XLA:CPU), ``packing``
 (host batches to devices), ``state`` (``TrainState``) and ``jax_internals``
 (every private JAX API jddp uses, in one place). The engine, data and

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import socket
 import sys
@@ -48,6 +47,9 @@ ENV_LOCAL_DEVICES = "JDDP_LOCAL_DEVICES"
 ENV_PEER_TIMEOUT = "JDDP_PEER_TIMEOUT"
 ENV_INIT_TIMEOUT = "JDDP_INIT_TIMEOUT"
 ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # set by `jddp launch` (jddp.cli.launch.ENV_STDOUT_FD)
+# Set by `jddp launch` (jddp.cli.launch.ENV_COORDINATOR_HOSTED): the coordination service at JDDP_COORDINATOR runs
+# in a process of its own (jddp.runtime.coordinator), so process 0 joins it as a client instead of starting it.
+ENV_COORDINATOR_HOSTED = "JDDP_COORDINATOR_HOSTED"
 
 DEFAULT_PEER_TIMEOUT_S = 30.0
 DEFAULT_INIT_TIMEOUT_S = 120.0
@@ -127,24 +129,6 @@ def _env_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"Environment variable {name}={raw!r} must be a number of seconds.") from None
-
-
-def _check_port_free(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise OSError(
-                    errno.EADDRINUSE,
-                    f"The coordinator address {host}:{port} is already in use by another program, so process 0 "
-                    "cannot start the coordination service there. Pick another port (`jddp launch --coordinator "
-                    f"{host}:<port>`), or leave --coordinator out and jddp launch picks a free one.",
-                ) from None
-            message = f"Process 0 cannot bind the coordinator address {host}:{port}: {e.strerror}."
-            raise OSError(e.errno, message) from None
 
 
 def _wait_reachable(host: str, port: int, deadline: float, process_id: int, num_processes: int) -> None:
@@ -373,8 +357,13 @@ def _join(settings: _Settings, shutdown_timeout_s: float) -> str | None:
     host, port = net.split_address(coordinator)
     deadline = time.monotonic() + settings.init_timeout_s
     bind = settings.bind_address or coordinator
-    if process_id == 0:
-        _check_port_free(*net.split_address(bind))
+    if process_id == 0 and os.environ.get(ENV_COORDINATOR_HOSTED) == "1":
+        # jax.distributed.initialize starts a service in process 0 whatever happens; this one listens on a port
+        # of its own that no process joins, and the group uses the launcher's.
+        bind = "127.0.0.1:0"
+        _wait_reachable(host, port, deadline, process_id, settings.num_processes)
+    elif process_id == 0:
+        net.check_port_free(*net.split_address(bind))
     else:
         _wait_reachable(host, port, deadline, process_id, settings.num_processes)
     jax.distributed.initialize(

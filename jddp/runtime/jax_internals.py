@@ -59,6 +59,26 @@ def cluster_detected() -> bool:
     return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
 
 
+def start_coordination_service(address: str, num_processes: int, heartbeat_timeout_s: int, shutdown_timeout_s: int):
+    """Starts JAX's coordination service alone, in this process; returns it (``.shutdown()`` stops it).
+
+    Public JAX starts the service only inside process 0's
+    ``jax.distributed.initialize``, so the group's key-value store, barriers and
+    heartbeats die with process 0 and JAX aborts every survivor from C++.
+    ``jddp launch`` runs the service in a process of its own instead
+    (``jddp.runtime.coordinator``), so losing process 0 is like losing any other.
+    """
+    from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]  # see the docstring
+
+    return _jax.get_distributed_runtime_service(
+        address,
+        num_processes,
+        heartbeat_timeout=heartbeat_timeout_s,
+        shutdown_timeout=shutdown_timeout_s,
+        recoverable=False,
+    )
+
+
 def use_gloo_with_hostname(hostname: str) -> None:
     """Registers the CPU backend with gloo collectives that advertise ``hostname``.
 

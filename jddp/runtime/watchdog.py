@@ -32,11 +32,14 @@ it exits at once, with its own code.
 Nothing in the watchdog waits on the coordinator without a deadline: each
 key-value call runs in a helper thread and counts as the coordinator lost after
 ``peer_timeout_s`` (a frozen process 0 answers nothing, and gRPC has no
-deadline of its own here). A SIGKILLed process 0 closes its socket, and JAX's
-client aborts the process from C++ at once (exit 134, "the distributed service
-detected fatal errors"); JAX 0.10's ``missed_heartbeat_callback`` would let
-Python act first but throws ``std::bad_cast`` when given a Python callable, so
-that exit stays JAX's, and ``jddp launch`` names process 0 as the first failure.
+deadline of its own here). Where process 0 hosts the coordination service
+(JAX's default, without ``jddp launch``), a SIGKILLed process 0 takes it along,
+and JAX's client aborts the survivors from C++ at once (exit 134, "the
+distributed service detected fatal errors"); JAX 0.10's
+``missed_heartbeat_callback`` would let Python act first but throws
+``std::bad_cast`` when given a Python callable. ``jddp launch`` therefore runs
+the service in a process of its own (``jddp.runtime.coordinator``): there
+losing process 0 is like losing any other.
 
 The exit hooks: ``sys.excepthook`` marks this process FAILED (after giving the
 watchdog time to name a lost peer when a collective failed first), and an
