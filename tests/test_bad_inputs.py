@@ -416,6 +416,36 @@ CASES = [
         r"Metric names \['loss'\] are reserved by jddp",
     ),
     Case(
+        "loss_fn with a shape mismatch",
+        lambda e: step_with(e, loss_returning(lambda p, b: (jnp.sum(b["x"] @ p["b1"]), ({}, {})))),
+        TypeError,  # JAX's own error, with a note naming the function and the per-device shapes it saw
+        r"dot_general requires contracting dimensions(.|\n)*jddp: raised while tracing .*loss_fn \(.*test_bad_inputs"
+        r"\.py:\d+\) in DataParallel.step.*\['x'\]: float32\[8, 12\], \['y'\]: int32\[8\]: the global batch of 64 "
+        r"split over 8 device\(s\)\), with params \['b1'\]: float32\[",
+    ),
+    Case(
+        "loss_fn with Python if on an array, accumulating",
+        lambda e: step_with(
+            e,
+            loss_returning(lambda p, b: (jnp.sum(p["w1"]) if b["x"].sum() > 0 else 0.0, ({}, {}))),
+            accumulate_steps=2,
+        ),
+        jax.errors.TracerBoolConversionError,
+        r"jddp: raised while tracing(.|\n)*float32\[4, 12\](.|\n)*8 device\(s\) and 2 accumulation steps(.|\n)*"
+        r"Python `if`",
+    ),
+    Case(
+        "eval_fn with a shape mismatch",
+        lambda e: jddp.DataParallel(
+            e.model.loss_fn,
+            optax.sgd(0.1),
+            mesh=jddp.data_mesh(),
+            eval_fn=lambda p, s, b: {"loss": jnp.mean(b["x"][:, :3] @ p["w1"])},
+        ).eval_step(e.state, e.batch()),
+        TypeError,
+        r"jddp: raised while tracing .*<lambda> .* in DataParallel.eval_step.*float32\[8, 12\]",
+    ),
+    Case(
         "evaluate over a drop_last loader",
         drop_last_eval,
         ValueError,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -209,3 +210,50 @@ def key_data(rng) -> np.ndarray:
             f"`rng` must be a threefry key (uint32[2] key data), got dtype={data.dtype}, shape={data.shape}."
         )
     return data
+
+
+USER_CODE_NOTE = "jddp: raised while tracing"
+
+
+@contextlib.contextmanager
+def user_code(fn, call: str, batch, params, num_devices: int, accumulate_steps: int = 1):
+    """Adds a note to an error raised while jax traces the user's ``fn`` inside ``call``: which function, and
+    the shapes it saw (the device's slice of the batch, not the global batch), which is where most mistakes in a
+    ported loss come from. The error keeps its type and traceback; errors of the compiled program (a failed
+    collective) pass unchanged."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError:
+        raise
+    except Exception as error:
+        if not any(note.startswith(USER_CODE_NOTE) for note in getattr(error, "__notes__", ())):
+            error.add_note(_user_code_note(fn, call, batch, params, num_devices, accumulate_steps))
+        raise
+
+
+def _user_code_note(fn, call: str, batch, params, num_devices: int, accumulate_steps: int) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    name = getattr(inner, "__qualname__", type(inner).__name__)
+    code = getattr(inner, "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    accumulated = f" and {accumulate_steps} accumulation steps" if accumulate_steps > 1 else ""
+    global_size = next((np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)), 0)
+
+    def shapes(tree, per_device: bool, limit: int = 8) -> str:
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        parts = []
+        for path, x in flat[:limit]:
+            shape = list(np.shape(x))
+            if per_device and shape:
+                shape[0] //= num_devices * accumulate_steps
+            dtype = getattr(x, "dtype", type(x).__name__)
+            parts.append(f"{jax.tree_util.keystr(path) or 'batch'}: {dtype}{shape}")
+        more = f", ... ({len(flat) - limit} more)" if len(flat) > limit else ""
+        return ", ".join(parts) + more
+
+    return (
+        f"{USER_CODE_NOTE} {name}{where} in {call}. It runs once per device under jax.jit and shard_map, on the "
+        f"device's slice of the batch ({shapes(batch, True)}: the global batch of {global_size} split over "
+        f"{num_devices} device(s){accumulated}), with params {shapes(params, False)}. Values are abstract there: "
+        "Python `if`, `float()` or `.item()` on an array fail (use jnp.where or jax.lax.cond)."
+    )

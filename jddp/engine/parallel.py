@@ -223,7 +223,12 @@ class DataParallel:
         if step_lib.leading_size(batch) == 0:
             return self._empty_step(state)
         dispatch.DISPATCHER.before(self._step, self.options.max_inflight)
-        with watchdog.waiting():  # on CPU the call may run the program, and its collectives, before it returns
+        with (
+            watchdog.waiting(),  # on CPU the call may run the program, and its collectives, before it returns
+            checks.user_code(
+                self.loss_fn, "DataParallel.step", batch, state.params, self.num_devices, self.options.accumulate_steps
+            ),
+        ):
             (step, params, opt_state, model_state), packed = self._step(*self._args(state, batch))
         dispatch.DISPATCHER.after(packed)
         state = state_lib.TrainState(step, params, opt_state, model_state, state.rng)
@@ -265,7 +270,8 @@ class DataParallel:
             packed = jax.device_put(np.zeros(2 * len(names) - 1, np.float32), self._rep)
             return metrics_lib.Metrics(names, packed)
         dispatch.DISPATCHER.before(self._eval, self.options.max_inflight)
-        with watchdog.waiting():
+        fn = self.eval_fn or self.loss_fn
+        with watchdog.waiting(), checks.user_code(fn, "DataParallel.eval_step", batch, state.params, self.num_devices):
             packed = self._eval(*self._args(state, batch))
         dispatch.DISPATCHER.after(packed)
         return metrics_lib.Metrics(self._device.names["eval"], packed)
