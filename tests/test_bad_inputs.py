@@ -94,6 +94,26 @@ def loader(source=None, **kwargs):
     return jddp.data.DataLoader(source, **kwargs)
 
 
+class ShortSource:
+    """Says it has 64 examples and holds 40: the kind of off-by-some a hand-written source has."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i >= 40:
+            raise IndexError(f"record {i} out of range")
+        return {"x": np.full(3, i, np.float32)}
+
+
+def failing_transform(example, rng):
+    return {"x": example["image"]}  # the field is called "x"
+
+
+def failing_batch_transform(batch, rng):
+    return {"x": batch["x"].reshape(-1, 5)}
+
+
 def first_batch(**kwargs):
     return next(iter(loader(**kwargs)))
 
@@ -518,6 +538,33 @@ CASES = [
         lambda e: loader({"x": np.zeros((64, 3), np.float32), "mask": np.full(64, 2.0)}),
         ValueError,
         r"The 'mask' field of the source must be 0 or 1, got 2.0",
+    ),
+    Case(
+        "source raises while read",
+        lambda e: first_batch(source=ShortSource(), seed=0),
+        IndexError,  # the source's own error, with a note saying what the loader was reading
+        r"record \d+ out of range(.|\n)*jddp.DataLoader: raised reading examples \[\d+, .*\] of the source of "
+        r"len 64 \(epoch 0, loader position 0, process rank 0\)",
+    ),
+    Case(
+        "source raises in a worker process",
+        lambda e: first_batch(source=ShortSource(), seed=0, worker_count=1),
+        IndexError,
+        r"record \d+ out of range(.|\n)*jddp.DataLoader: raised reading examples",
+    ),
+    Case(
+        "transform raises",
+        lambda e: first_batch(transform=failing_transform),
+        KeyError,
+        r"'image'(.|\n)*jddp.DataLoader: raised in `transform`, on example \d+ of the source \(epoch 0, "
+        r"loader position 0",
+    ),
+    Case(
+        "batch_transform raises",
+        lambda e: first_batch(batch_transform=failing_batch_transform),
+        ValueError,
+        r"cannot reshape(.|\n)*jddp.DataLoader: raised in `batch_transform`, on examples \[\d+, .*, \.\.\.\] "
+        r"\(epoch 0",
     ),
     Case(
         "worker_count -1",

@@ -14,6 +14,7 @@ runs on the same cores, so every microsecond here is a microsecond of step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 import weakref
@@ -97,19 +98,44 @@ class _ReadBatch:
     def batch(self, position: int) -> Example:
         """This process's batch at ``position`` as a dict of arrays, transforms applied."""
         local = self.sampler.local_batch(int(position))
-        batch = read(self.source, local.indices)
+        where = f"epoch {local.epoch}, loader position {local.position}, process rank {self.sampler.rank}"
+        with _noted(
+            lambda: f"reading examples {_listed(local.indices)} of the source of len {len(self.source)} ({where})"
+        ):
+            batch = read(self.source, local.indices)
         seed = self.sampler.seed
         if self.transform is not None:
             rows = [{k: v[i] for k, v in batch.items()} for i in range(len(local.indices))]
             rngs = [np.random.default_rng([seed, local.epoch, int(p)]) for p in local.order]
-            batch = _stack([self.transform(row, rng) for row, rng in zip(rows, rngs, strict=True)])
+            out = []
+            for index, row, rng in zip(local.indices, rows, rngs, strict=True):
+                with _noted(lambda index=index: f"in `transform`, on example {index} of the source ({where})"):
+                    out.append(self.transform(row, rng))
+            batch = _stack(out)
         if self.batch_transform is not None:
-            batch = self.batch_transform(batch, np.random.default_rng([seed, local.position, self.sampler.rank]))
+            with _noted(lambda: f"in `batch_transform`, on examples {_listed(local.indices)} ({where})"):
+                batch = self.batch_transform(batch, np.random.default_rng([seed, local.position, self.sampler.rank]))
         what = "the source" if self.transform is None and self.batch_transform is None else "the transforms"
         batch = {k: _canonical(k, np.asarray(v), what) for k, v in batch.items()}
         own = batch.pop("mask", None)
         batch["mask"] = local.mask if own is None else local.mask * _check_source_mask(own, what)
         return batch
+
+
+@contextlib.contextmanager
+def _noted(where: Callable[[], str]):
+    """Adds ``jddp.DataLoader: raised <where>`` to an error of the user's source or transforms (its type and
+    traceback stay); Grain's worker processes pass the note on with the error."""
+    try:
+        yield
+    except Exception as error:
+        error.add_note(f"jddp.DataLoader: raised {where()}")
+        raise
+
+
+def _listed(indices: np.ndarray, limit: int = 8) -> str:
+    shown = ", ".join(str(int(i)) for i in indices[:limit])
+    return f"[{shown}{', ...' if len(indices) > limit else ''}]"
 
 
 def _arrays(source) -> dict[str, np.ndarray] | None:
