@@ -23,6 +23,9 @@ _EXPORTS = {
     "initialize": "jddp.runtime.distributed",
     "barrier": "jddp.runtime.distributed",
     "ProcessGroup": "jddp.runtime.distributed",
+    "host_all_gather": "jddp.runtime.host",
+    "host_all_reduce": "jddp.runtime.host",
+    "host_broadcast": "jddp.runtime.host",
     "EXIT_PEER_LOST": "jddp.exitcodes",
     "EXIT_PREEMPTED": "jddp.exitcodes",
     "CommReport": "jddp.engine.comm",
@@ -62,6 +65,9 @@ __all__ = [
     "data",
     "data_mesh",
     "fit",
+    "host_all_gather",
+    "host_all_reduce",
+    "host_broadcast",
     "initialize",
     "is_main_process",
     "masked_mean",
@@ -108,4 +114,5 @@ if TYPE_CHECKING:
         simulate_cpu_devices,
     )
     from jddp.runtime.distributed import ProcessGroup, barrier, initialize
+    from jddp.runtime.host import host_all_gather, host_all_reduce, host_broadcast
     from jddp.runtime.state import TrainState
