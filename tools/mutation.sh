@@ -18,9 +18,10 @@
 # Checkpointer.restore_or_init and jddp/checkpoint/restore.py (about 280
 # mutants at about 7 s: half an hour more). Other files are never mutated (only_mutate).
 #
-# Tests: tests/test_{engine,sampler,loader,checkpoint,config,errors}.py without the `multiprocess`
-# and `slow` marks and without the four tests that start processes (see pyproject.toml); each
-# mutant runs only the tests that called its function, up to the first failure.
+# Tests: tests/test_{engine,sampler,loader,checkpoint,checkpoint_access,config,errors,digest,
+# boundary,reduce,bad_inputs}.py without the `multiprocess` and `slow` marks and without the four
+# tests that start processes (see pyproject.toml); each mutant runs only the tests that called its
+# function, up to the first failure.
 #
 # How: mutmut copies jddp/, tests/ and conftest.py into mutants/ and forks each mutant's pytest
 # from a fork server that has collected the tests but never started JAX's backend (mutmut's
