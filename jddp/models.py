@@ -15,19 +15,44 @@ statistics) is the library's:
   every collection of ``model_state`` is mutable, and ``rng`` is passed as
   the ``"dropout"`` stream. Use ``nn.BatchNorm(axis_name="data")``.
 
-Keep RNG state out of NNX models (``nnx.Rngs`` objects): pass ``rng`` to the
-layers that need it, so the model state is arrays only.
+Modes: ``nnx_loss`` runs the model in train mode (``model.train()``: dropout on,
+BatchNorm on batch statistics) and ``nnx_eval`` in eval mode, whatever mode the
+model was in when it was split. Linen modules take their mode as an argument
+of ``apply`` (``train=True``), which ``fn`` passes.
+
+Randomness: jddp's ``rng`` differs on every device and at every step. An NNX
+model that holds ``nnx.Rngs`` (``nnx.Dropout(rate, rngs=rngs)``, the usual NNX
+style) keeps them: ``nnx_split`` stores their keys as raw key data in
+``model_state`` (so that the state is arrays, broadcast, digested and saved like
+any other), and at every step ``nnx_loss`` replaces each stream's key by one
+drawn from jddp's ``rng`` and the stream's path, and its counter by 0. So every
+layer, device and step gets its own masks, a run is reproducible and resumes
+exactly, and the streams in ``model_state`` never change (they do not advance
+as a plain NNX loop's would: a per-device counter could not be kept replicated).
+A ``fn`` that uses ``rng`` itself must split it between layers: the same key
+gives the same mask.
+
+Back from a ``TrainState``: ``nnx_module(graphdef, state)`` is the trained NNX
+module on the host (eval mode), ``linen_variables(state)`` the Linen variables,
+``to_host(tree)`` any part of a state as NumPy; each process reads its own
+replica, with no communication. A module built with ``axis_name="data"``
+(synchronised BatchNorm) runs outside jddp in eval mode only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jddp import typing as jt
 from jddp.engine import reduce
+from jddp.runtime import state as state_lib
 
 
 def _loss_and_metrics(out) -> tuple[Any, dict]:
@@ -46,17 +71,20 @@ def nnx_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     (BatchNorm statistics).
     """
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # two filters: exactly two states
+    model_state = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, model_state)
     return graphdef, params, model_state
 
 
 def nnx_loss(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch, Any], Any]) -> jt.LossFn:
-    """A jddp ``loss_fn`` from ``fn(model, batch, rng) -> loss | (loss, metrics)``."""
+    """A jddp ``loss_fn`` from ``fn(model, batch, rng) -> loss | (loss, metrics)``, the model in train mode and
+    its ``nnx.Rngs`` streams drawn from ``rng`` (see the module docstring)."""
 
     def loss_fn(params, model_state, batch, rng):
-        model = nnx.merge(graphdef, params, model_state, copy=True)
+        model = nnx.merge(graphdef, params, _reseeded(model_state, rng), copy=True)
+        model.train()
         loss, metrics = _loss_and_metrics(fn(model, batch, rng))
         _, _, new_model_state = nnx.split(model, nnx.Param, ...)
-        return loss, (new_model_state, metrics)
+        return loss, (_streams_kept(new_model_state, model_state), metrics)
 
     return loss_fn
 
@@ -72,7 +100,63 @@ def nnx_eval(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch], jt.Met
     return eval_fn
 
 
-def linen_split(variables: dict) -> tuple[dict, dict]:
+def nnx_module(graphdef: nnx.GraphDef, state: state_lib.TrainState) -> nnx.Module:
+    """The trained NNX module of ``state`` on the host, in eval mode (``.train()`` switches it back)."""
+    model = nnx.merge(graphdef, to_host(state.params), to_host(state.model_state))
+    model.eval()
+    return model
+
+
+def linen_variables(state: state_lib.TrainState) -> dict:
+    """The Linen variables of ``state`` on the host: ``module.apply(linen_variables(state), x, train=False)``."""
+    return {"params": to_host(state.params), **to_host(state.model_state)}
+
+
+def to_host(tree):
+    """``tree`` (params, model state, a whole ``TrainState``) as NumPy arrays, read from this process's own
+    replica: no communication, on any process."""
+
+    def host(x):
+        if isinstance(x, jax.Array):
+            return np.asarray(x.addressable_shards[0].data) if x.is_fully_replicated else np.asarray(x)
+        return x
+
+    return jax.tree.map(host, tree)
+
+
+def _is_key(x) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
+
+
+def _reseeded(model_state, rng):
+    """``model_state`` with every ``nnx.Rngs`` stream's key drawn from ``rng`` and the stream's path, and its
+    counter 0."""
+    if not isinstance(model_state, nnx.State):
+        return model_state
+    flat = []
+    for path, variable in nnx.to_flat_state(model_state):
+        if isinstance(variable, nnx.RngKey):
+            salt = zlib.crc32("/".join(map(str, path)).encode()) & 0x7FFFFFFF
+            variable = variable.replace(jax.random.key_data(jax.random.fold_in(rng, salt)))
+        elif isinstance(variable, nnx.RngCount):
+            variable = variable.replace(jnp.zeros_like(variable.get_value()))
+        flat.append((path, variable))
+    return nnx.from_flat_state(flat)
+
+
+def _streams_kept(new_model_state, model_state):
+    """``new_model_state`` with the ``nnx.Rngs`` streams of ``model_state``: they are drawn afresh each step."""
+    if not isinstance(model_state, nnx.State):
+        return new_model_state
+    old = dict(nnx.to_flat_state(model_state))
+    flat = [
+        (path, old[path] if isinstance(variable, nnx.RngState) else variable)
+        for path, variable in nnx.to_flat_state(new_model_state)
+    ]
+    return nnx.from_flat_state(flat)
+
+
+def linen_split(variables: Mapping) -> tuple[dict, dict]:
     """Splits Linen ``variables`` into ``(params, model_state)``."""
     variables = dict(variables)
     return variables.pop("params"), variables
