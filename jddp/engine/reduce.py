@@ -74,6 +74,12 @@ def find_mask(batch):
     return None
 
 
+def sum_dtype(*dtypes) -> jnp.dtype:
+    """The dtype that sums and means of values of ``dtypes`` are kept in: float32, or float64 when one of them is
+    float64 (with ``jax_enable_x64``). bf16 and f16 values are summed in float32, as before."""
+    return jnp.result_type(jnp.float32, *(d for d in dtypes if jnp.issubdtype(d, jnp.floating)))
+
+
 def example_count(batch, batch_size: int) -> jax.Array:
     """The number of real examples of a local batch: the sum of its mask (``find_mask``), else its size."""
     mask = find_mask(batch)
@@ -83,7 +89,8 @@ def example_count(batch, batch_size: int) -> jax.Array:
 
 
 def as_weighted(value, count: jax.Array, what: str) -> Weighted:
-    """``value`` (a scalar mean or a ``Weighted``) as a float32 ``Weighted``."""
+    """``value`` (a scalar mean or a ``Weighted``) as a ``Weighted`` in ``sum_dtype`` (float64 values stay
+    float64)."""
     if isinstance(value, Weighted):
         total, weight = jnp.asarray(value.total), jnp.asarray(value.weight)
         checked = total
@@ -98,9 +105,10 @@ def as_weighted(value, count: jax.Array, what: str) -> Weighted:
                 f"has shape={shape}. Reduce it over the batch inside `loss_fn`, for "
                 "example with `jddp.masked_mean(per_example, batch.get('mask'))`."
             )
+    dtype = sum_dtype(jnp.result_type(checked), jnp.result_type(weight))
     if total is None:
-        total = jnp.asarray(value, jnp.float32) * count
-    return Weighted(total.astype(jnp.float32), weight.astype(jnp.float32))
+        total = jnp.asarray(value, dtype) * count.astype(dtype)
+    return Weighted(total.astype(dtype), weight.astype(dtype))
 
 
 def safe_divide(total: jax.Array, weight: jax.Array) -> jax.Array:

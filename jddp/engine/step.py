@@ -70,7 +70,10 @@ class DeviceStep:
         opts = self.options
         loss_w, examples, aux = sums
         loss = reduce.safe_divide(loss_w.total, loss_w.weight)
-        scale = 1.0 / jnp.where(loss_w.weight > 0, loss_w.weight, 1.0)
+        # The mean is taken in float32, or float64 when a parameter is float64 (bf16/f16 parameters: float32).
+        mean_dtype = reduce.sum_dtype(*(p.dtype for p in jax.tree.leaves(state.params)))
+        weight = loss_w.weight.astype(mean_dtype)
+        scale = 1.0 / jnp.where(weight > 0, weight, 1.0)
         metrics = {"loss": loss, "examples": examples}
         if opts.nonfinite != "ignore" or opts.clip_grad_norm is not None:
             # The norm of the mean gradient, from the sums: the mean itself is
@@ -81,7 +84,7 @@ class DeviceStep:
 
         def update(operands):
             grads_sum, params, opt_state, model_state, _ = operands
-            grads = jax.tree.map(lambda s, p: (s.astype(jnp.float32) * scale).astype(p.dtype), grads_sum, params)
+            grads = jax.tree.map(lambda s, p: mean_of(s, p.dtype, scale), grads_sum, params)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, model_state
 
@@ -104,9 +107,10 @@ class DeviceStep:
         return (state.step + 1, params, opt_state, model_state), self._pack("step", metrics)
 
     def _pack(self, program: str, metrics: dict) -> jax.Array:
-        """Records the metric names (at trace time) and stacks the values."""
+        """Records the metric names (at trace time) and stacks the values (float32, or float64 if one is)."""
         self.names[program] = tuple(metrics)
-        return jnp.stack([jnp.asarray(v, jnp.float32) for v in metrics.values()])
+        dtype = reduce.sum_dtype(*(jnp.result_type(v) for v in metrics.values()))
+        return jnp.stack([jnp.asarray(v, dtype) for v in metrics.values()])
 
     def _local_grads(self, params_v, model_state, batch, key):
         """Local gradient of the loss *total* and the local sums, all varying."""
@@ -161,6 +165,12 @@ class DeviceStep:
         packed = self._pack("eval", {**metrics, "examples": examples})
         # The weights follow the values, so that `evaluate` can combine batches exactly.
         return jnp.concatenate([packed, jnp.stack([w.weight for w in sums.values()])])
+
+
+def mean_of(grad_sum: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """``grad_sum * scale`` as ``dtype``, computed in float32 or in float64 for float64 parameters."""
+    compute = reduce.sum_dtype(dtype, grad_sum.dtype)
+    return (grad_sum.astype(compute) * scale.astype(compute)).astype(dtype)
 
 
 def unpacked(batch):
