@@ -31,6 +31,8 @@ _EXPORTS = {
     "CommReport": "jddp.engine.comm",
     "DataParallel": "jddp.engine.parallel",
     "NonFiniteError": "jddp.engine.parallel",
+    "Metrics": "jddp.engine.metrics",
+    "RunningMeans": "jddp.engine.metrics",
     "Weighted": "jddp.engine.reduce",
     "masked_mean": "jddp.engine.reduce",
     "TrainState": "jddp.runtime.state",
@@ -54,8 +56,10 @@ __all__ = [
     "CommReport",
     "DataParallel",
     "FitResult",
+    "Metrics",
     "NonFiniteError",
     "ProcessGroup",
+    "RunningMeans",
     "TrainState",
     "Weighted",
     "__version__",
@@ -99,6 +103,7 @@ if TYPE_CHECKING:
     from jddp import config, data, models
     from jddp.checkpoint import Checkpointer, CheckpointError, CheckpointLeaseError, CheckpointWarning
     from jddp.engine.comm import CommReport
+    from jddp.engine.metrics import Metrics, RunningMeans
     from jddp.engine.parallel import DataParallel, NonFiniteError
     from jddp.engine.reduce import Weighted, masked_mean
     from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED

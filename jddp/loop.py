@@ -11,10 +11,13 @@ do; it runs them in the right order and writes what happened:
   resolved config printed, ``config.yaml`` written to ``log_dir`` and beside the
   checkpoints.
 * **Each step**: ``dp.step``; every ``log_every`` steps (and at the last) the
-  step's metrics, exact global means, are read (the only wait for the devices
-  fit adds; ``dp.step`` itself keeps at most ``max_inflight`` steps queued)
-  and appended to ``log_dir/metrics.jsonl`` (flushed: a kill loses nothing
-  already logged) and to TensorBoard; ``dp.evaluate`` on ``eval_loader`` every
+  steps' metrics are read (the only wait for the devices fit adds; ``dp.step``
+  itself keeps at most ``max_inflight`` steps queued) and a ``train`` record
+  appended to ``log_dir/metrics.jsonl`` (flushed: a kill loses nothing
+  already logged) and to TensorBoard: the means over the steps since the last
+  record, weighted by their real examples (``RunningMeans``), plus ``examples``,
+  ``steps`` and the last step's metrics as ``last_<name>``; at each epoch's end
+  a ``train_epoch`` record of the epoch's means; ``dp.evaluate`` on ``eval_loader`` every
   ``eval_every`` steps (or at each epoch end) and at the end;
   ``checkpointer.maybe_save`` (a SIGTERM saves and raises ``SystemExit(75)``,
   which ``fit`` lets through after closing its logs).
@@ -47,6 +50,7 @@ from jddp import checkpoint as checkpoint_lib
 from jddp import config as config_lib
 from jddp import exitcodes, logs, validate
 from jddp.data import loader as loader_lib
+from jddp.engine import metrics as metrics_lib
 from jddp.engine import parallel
 from jddp.runtime import state as state_lib
 
@@ -61,8 +65,14 @@ class FitResult:
     Attributes:
       state: the final ``TrainState``.
       history: the records this call logged (the same on every process):
-        ``{"step", "epoch", "split": "train" | "eval", **metrics}``; ``epoch`` is
-        the loader position in epochs (1.0 at the end of the first).
+        ``{"step", "epoch", "split", **metrics}``; ``epoch`` is the loader
+        position in epochs (1.0 at the end of the first). ``split`` "train":
+        each metric's mean over the steps since the previous train record
+        (weighted by real examples; non-finite skipped steps left out and
+        counted in ``nonfinite``), ``examples``, ``steps``, and ``last_<name>``
+        for the last step's values; "train_epoch": the same means over the
+        epoch just ended (over its steps since the start of this call, after a
+        resume mid-epoch; ``steps`` says how many); "eval": ``dp.evaluate``.
       final_eval: the metrics of the last evaluation (``{}`` without ``eval_loader``).
       summary: ``steps`` (taken by this call), ``final_step``, ``wall_s``,
         ``examples_per_s`` (global batch size times the steps after the first,
@@ -172,6 +182,23 @@ def _fingerprint(checkpointer: checkpoint_lib.Checkpointer, config: Any) -> None
         )
 
 
+class _Means:
+    """The running means of a ``fit``: the logging window's and the epoch's, saved with each checkpoint so that a
+    resumed run logs the same means as an uninterrupted one."""
+
+    def __init__(self):
+        self.epoch = metrics_lib.RunningMeans()
+        self.window = metrics_lib.RunningMeans(parent=self.epoch)
+
+    def get_state(self) -> dict:
+        window = self.window.get_state()  # reads the window's pending steps into the epoch too: first
+        return {"window": window, "epoch": self.epoch.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        self.window.set_state(state["window"])
+        self.epoch.set_state(state["epoch"])
+
+
 class _Run:
     """One call of ``fit``: the loop state, the timers and process 0's outputs."""
 
@@ -184,6 +211,8 @@ class _Run:
         self.final_eval: dict[str, float] = {}
         self.last_eval_step = -1
         self.steps_run = self.step = 0
+        self.means = _Means()
+        self.epoch, self.window = self.means.epoch, self.means.window
         self.log: logs.RunLog | None = None
         self.bar = None
 
@@ -199,7 +228,7 @@ class _Run:
         start = time.perf_counter()
         if self.ckpt is not None:
             with self.timed("checkpoint_s"):
-                state, _ = self.ckpt.restore_or_init(state, self.loader)
+                state, _ = self.ckpt.restore_or_init(state, self.loader, extra=self.means)
         self.step = first = int(jax.device_get(state.step))
         self.announce(first, config_text)
         if self.main:
@@ -210,7 +239,7 @@ class _Run:
                 self.evaluate(state)
             if self.ckpt is not None:
                 with self.timed("checkpoint_s"):
-                    self.ckpt.save(state, self.loader)
+                    self.ckpt.save(state, self.loader, extra=self.means)
                     self.ckpt.close()
         except SystemExit as stop:
             if stop.code == exitcodes.EXIT_PREEMPTED:
@@ -290,12 +319,20 @@ class _Run:
         self.steps_run += 1
         if self.bar is not None:
             self.bar.update(1)
+        self.window.add(metrics)
+        epoch_end = self.loader.sampler.position % len(self.loader) == 0
         if self.step % self.log_every == 0 or self.step == self.total:
             with self.timed("step_s"):
-                values = dict(metrics)  # waits for this step: the only wait per log interval
-            self.record("train", values)
+                means = self.window.compute()  # waits for this step: the only wait per log interval
+            self.record("train", {**means, **{f"last_{k}": v for k, v in self.window.last.items()}})
+            self.window.reset()
             if self.bar is not None:
-                self.bar.set_postfix(loss=f"{values['loss']:.4g}", refresh=False)
+                self.bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4g}", refresh=False)
+        if epoch_end:
+            with self.timed("step_s"):
+                self.window.compute()  # reads the window's steps into the epoch's means
+            self.record("train_epoch", self.epoch.compute())
+            self.epoch.reset()
         if self.eval_due():
             self.evaluate(state)
         if self.ckpt is not None:
@@ -303,7 +340,7 @@ class _Run:
                 with self.timed("step_s"):  # a save waits for the step first; count that as stepping
                     jax.block_until_ready(state)
             with self.timed("checkpoint_s"):
-                self.ckpt.maybe_save(state, self.loader)
+                self.ckpt.maybe_save(state, self.loader, extra=self.means)
         return state
 
     def eval_due(self) -> bool:

@@ -63,27 +63,58 @@ def tensorboard_scalars(log_dir: Path) -> dict[tuple[str, int], float]:
     return scalars
 
 
+def weighted_means(rows: list[dict]) -> dict:
+    """NumPy's reference for a train record: each metric's mean over the steps, weighted by their examples."""
+    w = np.array([r["examples"] for r in rows], np.float64)
+    means = {k: float(np.dot([r[k] for r in rows], w) / w.sum()) for k in rows[0] if k not in ("examples", "nonfinite")}
+    return {**means, "examples": float(w.sum()), "steps": len(rows), "nonfinite": 0}
+
+
+def assert_records_equal(got: list[dict], expected: list[dict]) -> None:
+    assert [(r["step"], r["split"], sorted(r)) for r in got] == [(r["step"], r["split"], sorted(r)) for r in expected]
+    for g, e in zip(got, expected, strict=True):
+        numbers = {k: v for k, v in e.items() if k != "split"}
+        assert {k: g[k] for k in numbers} == pytest.approx(numbers, rel=1e-12, abs=1e-15), (g["step"], g["split"])
+
+
 def test_logged_metrics_are_the_step_and_evaluate_metrics(tmp_path, capsys):
-    """fit's records equal dp.step's metrics and dp.evaluate's results for the same steps run by hand."""
-    dp, state, train, test = make()
+    """fit's records: the example-weighted means of dp.step's metrics over each window and each epoch (the last
+    batch of an epoch holds 6 real examples of 16), the last step's, and dp.evaluate's results, for the same steps
+    run by hand."""
+
+    def uneven(mesh):
+        return jddp.data.DataLoader(
+            {"x": X[:150], "y": Y[:150]}, global_batch_size=16, seed=2, drop_last=False, mesh=mesh
+        )
+
+    dp, state, _, test = make()
+    train = uneven(dp.mesh)
     outside = time.perf_counter()
     result = fit(dp, state, train, steps=13, eval_loader=test, eval_every=5, log_dir=tmp_path, log_every=3,
                  config={"lr": 0.01}, progress=False)  # fmt: skip
     outside = time.perf_counter() - outside
 
-    dp, state, train, test = make()
-    expected = []
+    dp, state, _, test = make()
+    train = uneven(dp.mesh)
+    expected, window, epoch_rows = [], [], []
     for step in range(1, 14):
         if step in (1, 11):
             loader = iter(train)
         state, metrics = dp.step(state, next(loader))
+        window.append(dict(metrics))
+        epoch_rows.append(dict(metrics))
         epoch = step / 10
         if step % 3 == 0 or step == 13:
-            expected.append({"step": step, "epoch": epoch, "split": "train", **metrics})
+            last = {f"last_{k}": v for k, v in metrics.items()}
+            expected.append({"step": step, "epoch": epoch, "split": "train", **weighted_means(window), **last})
+            window = []
+        if step == 10:
+            expected.append({"step": step, "epoch": epoch, "split": "train_epoch", **weighted_means(epoch_rows)})
         if step % 5 == 0 or step == 13:
             expected.append({"step": step, "epoch": epoch, "split": "eval", **dp.evaluate(state, test)})
-    assert result.history == expected
-    assert read_metrics(tmp_path / "metrics.jsonl") == expected
+    assert epoch_rows[9]["examples"] == 6  # the epoch's last batch: the weights matter
+    assert_records_equal(result.history, expected)
+    assert_records_equal(read_metrics(tmp_path / "metrics.jsonl"), expected)
     assert result.final_eval == {k: v for k, v in expected[-1].items() if k not in ("step", "epoch", "split")}
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(result.state), jax.device_get(state))
 
@@ -113,13 +144,17 @@ def test_metrics_are_read_only_at_log_points():
     step = dp.step
 
     def recording_step(state, batch):
+        read_before.append(sum(m._host is not None for m in returned))
         state, metrics = step(state, batch)
         returned.append(metrics)
         return state, metrics
 
     dp.step = recording_step
+    read_before = []
     fit(dp, state, train, steps=12, log_every=5, progress=False)
-    assert [i + 1 for i, m in enumerate(returned) if m._host is not None] == [5, 10, 12]
+    # Steps 1-5 are read together after step 5 (its record), 6-10 after step 10 (its record and the epoch's end).
+    assert read_before == [0] * 5 + [5] * 5 + [10] * 2
+    assert all(m._host is not None for m in returned)
 
 
 def test_epochs_evaluate_at_each_epoch_end_once(tmp_path):

@@ -26,7 +26,7 @@ from jddp import exitcodes, validate
 from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, lease, preemption, restore, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
-from jddp.checkpoint.restore import DAMAGED_SUFFIX, LOADER, META, STATE
+from jddp.checkpoint.restore import DAMAGED_SUFFIX, EXTRA, LOADER, META, STATE
 from jddp.runtime import dispatch, distributed
 from jddp.runtime.state import TrainState
 
@@ -159,6 +159,7 @@ class Checkpointer:
         handlers = {
             STATE: ocp.StandardCheckpointHandler(),
             LOADER: ocp.JsonCheckpointHandler(),
+            EXTRA: ocp.JsonCheckpointHandler(),
             META: digest.MetaHandler(),
         }
         return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
@@ -183,11 +184,16 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
 
-    def save(self, state: TrainState, loader=None, *, wait: bool = False) -> int:
+    def save(self, state: TrainState, loader=None, *, wait: bool = False, extra=None) -> int:
         """Saves ``state`` (and ``loader``'s position) now, at the state's step; returns the step.
 
         Every process must call it. With ``wait`` (or ``async_save=False``) it
-        returns when the checkpoint is published.
+        returns when the checkpoint is published. ``extra``: anything with
+        ``get_state()`` (JSON-able, the same on every process) and
+        ``set_state(state)``, saved in the same step and restored by
+        ``restore_or_init(..., extra=...)`` (``jddp.fit`` keeps its running
+        metric means there, so that a resumed run logs what an uninterrupted
+        one does).
         """
         self._check_open("save")
         if self.read_only:
@@ -201,6 +207,7 @@ class Checkpointer:
             raise TypeError(
                 f"`loader` must be a jddp.data.DataLoader (something with get_state), got {type(loader).__name__}."
             )
+        _check_stateful("extra", extra, "get_state")
         lease.check_held(self._lease, self.directory)
         dispatch.DISPATCHER.drain()
         self._join()  # one save at a time, as Orbax keeps it
@@ -231,6 +238,8 @@ class Checkpointer:
         items = {STATE: ocp.args.StandardSave(saved), META: digest.MetaSave(meta)}
         if loader is not None:
             items[LOADER] = ocp.args.JsonSave(loader.get_state())
+        if extra is not None:
+            items[EXTRA] = ocp.args.JsonSave(extra.get_state())
         digests = meta["digests"]
         self._unconfirmed.append(step)
         try:
@@ -298,7 +307,7 @@ class Checkpointer:
                 ) from error
             raise
 
-    def maybe_save(self, state: TrainState, loader=None) -> bool:
+    def maybe_save(self, state: TrainState, loader=None, *, extra=None) -> bool:
         """Call once per training step, on every process. Saves every ``save_every`` steps and on preemption.
 
         Every process must call it the same number of times (once after each
@@ -321,16 +330,16 @@ class Checkpointer:
             self._step += 1
         step = self._step
         if self.read_only:
-            self.save(state, loader)  # raises: read-only
+            self.save(state, loader, extra=extra)  # raises: read-only
         assert self._preemption is not None
         if not self.preempted and self._preemption.reached(step):
-            self.save(state, loader, wait=True)
+            self.save(state, loader, wait=True, extra=extra)
             self.preempted = True
             if self.exit_on_preemption:
                 raise SystemExit(exitcodes.EXIT_PREEMPTED)
             return True
         if self.save_every is not None and step % self.save_every == 0:
-            self.save(state, loader)
+            self.save(state, loader, extra=extra)
             return True
         return False
 
@@ -371,13 +380,15 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- restoring
 
-    def restore_or_init(self, state: TrainState, loader=None):
+    def restore_or_init(self, state: TrainState, loader=None, *, extra=None):
         """The newest loadable checkpoint restored into ``state``'s shardings, or ``state`` itself.
 
         Args:
           state: a fresh state from ``DataParallel.init`` on the current mesh:
             it gives the structure, shapes and shardings to restore into.
           loader: a data loader whose position is restored too.
+          extra: what was passed as ``extra`` to ``save``: its ``set_state`` gets the saved state (not called
+            when the step holds none, or when nothing is restored).
 
         Returns:
           ``state`` when no checkpoint exists or none can be loaded (see the
@@ -396,6 +407,7 @@ class Checkpointer:
             raise TypeError(
                 f"`loader` must be a jddp.data.DataLoader (something with set_state), got {type(loader).__name__}."
             )
+        _check_stateful("extra", extra, "set_state")
         dispatch.DISPATCHER.drain()
         start = time.perf_counter()
         failures = []
@@ -411,7 +423,7 @@ class Checkpointer:
             meta, reason = restore.read_meta(self.directory, step)
             if meta is not None:
                 restore.check_compatible(self, step, meta, state)  # a wrong model or config is an error, not damage
-                result, reason = restore.try_restore(self._manager, self.directory, step, meta, state, loader)
+                result, reason = restore.try_restore(self._manager, self.directory, step, meta, state, loader, extra)
             if preemption.all_agree(reason is None):
                 restored = result
                 break
@@ -445,7 +457,9 @@ class Checkpointer:
         if restored is None:
             self._step = int(jax.device_get(state.step))
             return (state, loader) if loader is not None else state
-        new_state, loader_state, step = restored
+        new_state, loader_state, extra_state, step = restored
+        if extra is not None and extra_state is not None:
+            extra.set_state(extra_state)
         if loader is not None and loader_state is not None:
             loader.set_state(loader_state)
         elif loader is not None:
@@ -458,6 +472,13 @@ class Checkpointer:
             )
         self._step = self._last_saved = step
         return (new_state, loader) if loader is not None else new_state
+
+
+def _check_stateful(name: str, value, method: str) -> None:
+    if value is not None and not callable(getattr(value, method, None)):
+        raise TypeError(
+            f"`{name}` must have get_state() and set_state(state) (JSON-able state), got {type(value).__name__}."
+        )
 
 
 def _orbax_version() -> str:

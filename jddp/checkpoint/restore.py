@@ -16,7 +16,7 @@ from jddp.checkpoint import digest
 from jddp.checkpoint.errors import CheckpointWarning
 from jddp.runtime.state import TrainState
 
-STATE, LOADER, META = "state", "loader", "meta"
+STATE, LOADER, META, EXTRA = "state", "loader", "meta", "extra"
 DAMAGED_SUFFIX = ".damaged"
 
 
@@ -65,14 +65,19 @@ def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
         warnings.warn(message, CheckpointWarning, stacklevel=4)
 
 
-def try_restore(manager, directory, step: int, meta: dict, state: TrainState, loader) -> tuple[Any, str | None]:
-    """``((state, loader position or None, step), None)``, or ``(None, why the step is damaged)``."""
+def try_restore(
+    manager, directory, step: int, meta: dict, state: TrainState, loader, extra=None
+) -> tuple[Any, str | None]:
+    """``((state, loader position or None, extra state or None, step), None)``, or ``(None, why the step is
+    damaged)``."""
     target = as_dict(state)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
     items: dict[str, ocp.args.CheckpointArgs] = {STATE: ocp.args.StandardRestore(abstract)}
     has_loader = (directory / str(step) / LOADER).exists()
     if loader is not None and has_loader:
         items[LOADER] = ocp.args.JsonRestore()
+    if extra is not None and (directory / str(step) / EXTRA).exists():
+        items[EXTRA] = ocp.args.JsonRestore()
     # A restore that fails inside Orbax leaves coroutines never awaited; their RuntimeWarnings (at once or
     # when collected) are noise of Orbax's failure path, so they are collected here, under this filter.
     with warnings.catch_warnings():
@@ -93,7 +98,8 @@ def try_restore(manager, directory, step: int, meta: dict, state: TrainState, lo
     if bad:
         return None, f"digest mismatch in {len(bad)} leaf(s), first {bad[0]}"
     new_state = TrainState(**tree)
-    return (new_state, result[LOADER] if LOADER in items else None, step), None
+    found = {k: result[k] if k in items else None for k in (LOADER, EXTRA)}
+    return (new_state, found[LOADER], found[EXTRA], step), None
 
 
 def set_aside(directory, step: int) -> None:

@@ -36,10 +36,14 @@ class Metrics(Mapping[str, float]):
     def _values(self) -> dict[str, float]:
         if self._host is None:
             with watchdog.waiting():  # the step's output: in a group, it needs every peer
-                values = np.asarray(self.packed).tolist()
-            self._host = dict(zip(self.names, values[: len(self.names)], strict=True))
-            self._weights = dict(zip(self.names, values[len(self.names) :], strict=False))
+                self._store(np.asarray(self.packed))
+        assert self._host is not None
         return self._host
+
+    def _store(self, packed: np.ndarray) -> None:
+        values = np.asarray(packed, np.float64).tolist()
+        self._host = dict(zip(self.names, values[: len(self.names)], strict=True))
+        self._weights = dict(zip(self.names, values[len(self.names) :], strict=False))
 
     @property
     def weights(self) -> dict[str, float]:
@@ -70,3 +74,89 @@ jax.tree_util.register_pytree_node(
     lambda m: ((m.packed,), m.names),
     lambda names, children: Metrics(names, children[0]),
 )
+
+
+class RunningMeans:
+    """Means of step metrics over many steps, weighted by each step's real examples (exact, like one big batch).
+
+    ``add`` keeps the step's ``Metrics`` on the device (no wait); ``compute`` reads every pending step in one
+    transfer. A step skipped as non-finite (``nonfinite`` 1) is left out of the means and counted in
+    ``nonfinite``; a step without a real example weighs nothing. ``jddp.fit`` keeps one per logging window and one
+    per epoch; a hand-written loop can do the same (Flax's ``nnx.MultiMetric`` in jddp's terms).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> means = RunningMeans()
+      >>> means.add(Metrics(("loss", "examples"), jnp.array([1.0, 30.0])))
+      >>> means.add(Metrics(("loss", "examples"), jnp.array([3.0, 10.0])))
+      >>> means.compute()
+      {'loss': 1.5, 'examples': 40.0, 'steps': 2}
+    """
+
+    def __init__(self, parent: RunningMeans | None = None):
+        """``parent``: another ``RunningMeans`` that counts every step this one reads (a window's epoch)."""
+        self.parent = parent
+        self.reset()
+
+    def reset(self) -> None:
+        self._pending: list[Metrics] = []
+        self._sums: dict[str, float] = {}
+        self._examples = 0.0
+        self._steps = self._skipped = 0
+        self.last: dict[str, float] = {}
+
+    def add(self, metrics: Metrics) -> None:
+        """Counts one step's metrics (read later, by ``compute``)."""
+        if "examples" not in metrics.names:
+            raise ValueError(f"RunningMeans needs the step's `examples`, got metrics {list(metrics.names)}.")
+        self._pending.append(metrics)
+
+    def compute(self) -> dict[str, float]:
+        """The example-weighted mean of every metric over the steps added since ``reset``, with ``examples``
+        (their sum), ``steps``, and ``nonfinite`` (steps skipped) where the step reports it."""
+        if self._pending:
+            with watchdog.waiting():  # the steps' outputs: in a group, they need every peer
+                rows = jax.device_get([m.packed for m in self._pending])
+            for m, row in zip(self._pending, rows, strict=True):
+                m._store(row)  # read once: dict(m) no longer waits
+                self._absorb(dict(m))
+            self._pending = []
+        out = {k: v / self._examples if self._examples > 0 else 0.0 for k, v in self._sums.items()}
+        out.update(examples=self._examples, steps=self._steps)
+        if self._skipped or "nonfinite" in self.last:
+            out["nonfinite"] = self._skipped
+        return out
+
+    def get_state(self) -> dict:
+        """The sums so far (pending steps read first), JSON-able: for a checkpoint, so that a resumed run's means
+        equal an uninterrupted run's (``Checkpointer.save(..., extra=...)``; ``jddp.fit`` does this)."""
+        self.compute()
+        return {
+            "sums": dict(self._sums),
+            "examples": self._examples,
+            "steps": self._steps,
+            "skipped": self._skipped,
+            "last": dict(self.last),
+        }
+
+    def set_state(self, state: dict) -> None:
+        """Continues from ``get_state``'s sums (the parent is not touched: it restores its own)."""
+        self.reset()
+        self._sums = {str(k): float(v) for k, v in state["sums"].items()}
+        self._examples = float(state["examples"])
+        self._steps, self._skipped = int(state["steps"]), int(state["skipped"])
+        self.last = {str(k): float(v) for k, v in state["last"].items()}
+
+    def _absorb(self, row: dict[str, float]) -> None:
+        if self.parent is not None:
+            self.parent._absorb(row)
+        self.last = row
+        self._steps += 1
+        if row.get("nonfinite", 0.0) > 0:
+            self._skipped += 1
+            return
+        weight = row["examples"]
+        self._examples += weight
+        for k, v in row.items():
+            if k not in ("examples", "nonfinite"):
+                self._sums[k] = self._sums.get(k, 0.0) + v * weight

@@ -41,11 +41,11 @@ class Config:
 class Interrupted(jddp.Checkpointer):
     """A Checkpointer whose process dies at a chosen step (the test's stand-in for a crash or a scheduler)."""
 
-    def maybe_save(self, state, loader=None):
+    def maybe_save(self, state, loader=None, *, extra=None):
         step = int(jax.device_get(state.step))
         if step == term_at:
             os.kill(os.getpid(), signal.SIGTERM)
-        saved = super().maybe_save(state, loader)
+        saved = super().maybe_save(state, loader, extra=extra)
         if step == kill_at:
             self.wait()
             os.kill(os.getpid(), signal.SIGKILL)

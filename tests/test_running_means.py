@@ -1,0 +1,101 @@
+"""RunningMeans: the example-weighted means of step metrics over many steps, against NumPy; skipped steps left out;
+its state through a real checkpoint (``Checkpointer(..., extra=...)``) continues the same sums."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp.engine.metrics import Metrics, RunningMeans
+
+NAMES = ("loss", "examples", "grad_norm", "nonfinite", "accuracy")
+
+
+def rows(seed: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = np.stack(
+        [
+            rng.uniform(0.1, 3.0, n),
+            rng.integers(0, 17, n).astype(np.float64),  # uneven, some steps without a real example
+            rng.uniform(0, 2, n),
+            (rng.uniform(size=n) < 0.2).astype(np.float64),  # skipped steps
+            rng.uniform(0, 1, n),
+        ],
+        axis=1,
+    )
+    out[out[:, 3] == 1, 0] = np.nan  # a skipped step's loss is not finite
+    return out.astype(np.float32).astype(np.float64)  # what the devices hold
+
+
+def reference(table: np.ndarray) -> dict:
+    kept = table[table[:, 3] == 0]
+    w = kept[:, 1]
+    out = {name: float(np.sum(kept[:, i] * w) / np.sum(w)) for i, name in enumerate(NAMES) if i not in (1, 3)}
+    return {**out, "examples": float(w.sum()), "steps": len(table), "nonfinite": int(table[:, 3].sum())}
+
+
+def test_means_are_weighted_by_examples_and_leave_skipped_steps_out():
+    table = rows(0, 40)
+    assert table[:, 3].sum() > 0 and (table[:, 1] == 0).any()
+    means = RunningMeans()
+    for row in table:
+        means.add(Metrics(NAMES, jnp.asarray(row, jnp.float32)))
+    got = means.compute()
+    expected = reference(table)
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert means.last == pytest.approx(dict(zip(NAMES, table[-1].tolist(), strict=True)), nan_ok=True)
+
+
+def test_a_window_feeds_its_parent_and_reset_starts_afresh():
+    table = rows(1, 30)
+    epoch = RunningMeans()
+    window = RunningMeans(parent=epoch)
+    for i, row in enumerate(table):
+        window.add(Metrics(NAMES, jnp.asarray(row)))
+        if i % 7 == 6:
+            assert window.compute() == pytest.approx(reference(table[i - 6 : i + 1]), rel=1e-12)
+            window.reset()
+    window.compute()
+    assert epoch.compute() == pytest.approx(reference(table), rel=1e-12)
+
+
+def test_metrics_without_examples_are_refused():
+    with pytest.raises(ValueError, match=r"needs the step's `examples`, got metrics \['loss'\]"):
+        RunningMeans().add(Metrics(("loss",), jnp.zeros(1)))
+
+
+def test_the_state_goes_through_a_checkpoint_and_continues_the_same_sums(tmp_path):
+    table = rows(2, 20)
+    uninterrupted = RunningMeans()
+    first = RunningMeans()
+    for row in table[:12]:
+        first.add(Metrics(NAMES, jnp.asarray(row)))
+    dp = jddp.DataParallel(lambda p, s, b, r: (jnp.sum(p["w"]), (s, {})), optax.sgd(0.1), mesh=jddp.data_mesh())
+    state = dp.init({"w": np.zeros(3, np.float32)})
+    with jddp.Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(state, extra=first, wait=True)
+    resumed = RunningMeans()
+    with jddp.Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        ckpt.restore_or_init(dp.init({"w": np.ones(3, np.float32)}), extra=resumed)
+    for row in table[12:]:
+        resumed.add(Metrics(NAMES, jnp.asarray(row)))
+    for row in table:
+        uninterrupted.add(Metrics(NAMES, jnp.asarray(row)))
+    assert resumed.compute() == uninterrupted.compute()  # bitwise: the same sums in the same order
+    assert resumed.compute() == pytest.approx(reference(table), rel=1e-12)
+
+
+def test_extra_without_get_state_is_refused_before_anything_is_written(tmp_path):
+    dp = jddp.DataParallel(lambda p, s, b, r: (jnp.sum(p["w"]), (s, {})), optax.sgd(0.1), mesh=jddp.data_mesh())
+    state = dp.init({"w": np.zeros(3, np.float32)})
+    with jddp.Checkpointer(tmp_path / "ckpt") as ckpt:
+        with pytest.raises(TypeError, match=r"`extra` must have get_state\(\) and set_state\(state\).*got dict"):
+            ckpt.save(state, extra={"a": 1})
+        assert ckpt.all_steps() == []
+        with pytest.raises(TypeError, match=r"`extra` must have get_state\(\) and set_state\(state\).*got int"):
+            ckpt.restore_or_init(state, extra=3)
+    jax.block_until_ready(state)
