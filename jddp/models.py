@@ -1,4 +1,4 @@
-"""Adapters from Flax models to jddp's ``loss_fn`` contract.
+"""Adapters from Flax and Equinox models to jddp's ``loss_fn`` contract.
 
 jddp trains any ``loss_fn(params, model_state, batch, rng) -> (loss,
 (new_model_state, metrics))``. A plain pytree model writes that directly. For
@@ -14,6 +14,13 @@ statistics) is the library's:
   ``apply(*inputs, **kwargs)`` in place of ``module.apply(variables, ...)``;
   every collection of ``model_state`` is mutable, and ``rng`` is passed as
   the ``"dropout"`` stream. Use ``nn.BatchNorm(axis_name="data")``.
+* Equinox (``pip install jddp[equinox]``): ``static, params, model_state =
+  jddp.models.eqx_split(*eqx.nn.make_with_state(Model)(...))``, then
+  ``jddp.models.eqx_loss(static, fn)`` where ``fn(model, state, batch, key)``
+  returns ``(loss, state)`` or ``(loss, state, metrics)``. BatchNorm's
+  statistics over the whole global batch: ``eqx.nn.BatchNorm(...,
+  axis_name=("batch", "data"), mode="batch")`` under ``jax.vmap(...,
+  axis_name="batch")``.
 
 Modes: ``nnx_loss`` runs the model in train mode (``model.train()``: dropout on,
 BatchNorm on batch statistics) and ``nnx_eval`` in eval mode, whatever mode the
@@ -51,7 +58,7 @@ import numpy as np
 from flax import nnx
 
 from jddp import typing as jt
-from jddp.engine import reduce
+from jddp.engine import reduce, varying
 from jddp.runtime import state as state_lib
 
 
@@ -180,3 +187,64 @@ def linen_loss(module, fn: Callable[[Callable, jt.Batch, Any], Any], *, rng_name
         return loss, (updated, metrics)
 
     return loss_fn
+
+
+def eqx_split(model, state=None) -> tuple[Any, jt.Params, Any]:
+    """Splits an Equinox model into ``(static, params, model_state)``.
+
+    ``params`` are the model's floating-point arrays (``eqx.partition(model,
+    eqx.is_inexact_array)``), ``static`` everything else, and ``model_state`` is
+    ``state``: the ``eqx.nn.State`` of ``eqx.nn.make_with_state`` (BatchNorm's
+    statistics), or ``{}`` for a model without one.
+    """
+    import equinox as eqx
+
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    return static, params, {} if state is None else state
+
+
+def eqx_loss(static, fn: Callable[[Any, Any, jt.Batch, Any], Any]) -> jt.LossFn:
+    """A jddp ``loss_fn`` from ``fn(model, state, batch, key) -> (loss, state) | (loss, state, metrics)``, the model
+    in training mode (``eqx.nn.inference_mode(model, False)``: dropout on, BatchNorm on batch statistics) whatever
+    mode it was split in. ``key`` differs on every device and step; split it between layers that draw."""
+    import equinox as eqx
+
+    def loss_fn(params, model_state, batch, rng):
+        model = eqx.nn.inference_mode(eqx.combine(params, static), False)
+        # ``State.set`` refuses a value whose type differs from the old one, and a value computed from this
+        # device's batch varies over "data" while the state passed in is replicated: the float leaves go in cast
+        # to varying, and those the model did not set come out as they went in (so they stay replicated).
+        given = jax.tree.leaves(model_state)
+        cast = [varying.varying(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in given]
+        out = fn(model, jax.tree.unflatten(jax.tree.structure(model_state), cast), batch, rng)
+        if not isinstance(out, tuple) or len(out) not in (2, 3):
+            raise TypeError(
+                "The function given to `eqx_loss` must return (loss, state) or (loss, state, metrics), got "
+                f"{type(out).__name__}."
+            )
+        loss, new_state, *metrics = out
+        leaves, treedef = jax.tree.flatten(new_state)
+        if len(leaves) == len(given):
+            kept = [g if n is c else n for g, c, n in zip(given, cast, leaves, strict=True)]
+            new_state = jax.tree.unflatten(treedef, kept)
+        return loss, (new_state, metrics[0] if metrics else {})
+
+    return loss_fn
+
+
+def eqx_eval(static, fn: Callable[[Any, Any, jt.Batch], jt.Metrics]) -> jt.EvalFn:
+    """A jddp ``eval_fn`` from ``fn(model, state, batch) -> dict of scalars``, the model in inference mode."""
+    import equinox as eqx
+
+    def eval_fn(params, model_state, batch):
+        return fn(eqx.nn.inference_mode(eqx.combine(params, static), True), model_state, batch)
+
+    return eval_fn
+
+
+def eqx_module(static, state: state_lib.TrainState) -> tuple[Any, Any]:
+    """The trained Equinox model and its ``eqx.nn.State`` on the host, in inference mode."""
+    import equinox as eqx
+
+    model = eqx.combine(to_host(state.params), static)
+    return eqx.nn.inference_mode(model, True), to_host(state.model_state)

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -123,7 +124,40 @@ def nnx_model() -> Model:
     return Model(models.nnx_loss(graphdef, fn), models.nnx_loss(ref_graphdef, fn), params, model_state)
 
 
-FACTORIES = {"pytree": pytree, "linen": linen, "nnx": nnx_model}
+class EqxMLP(eqx.Module):
+    """Linear, LayerNorm, Linear: Equinox's own layers, params only."""
+
+    l1: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    l2: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(IN, HIDDEN, key=k1)
+        self.norm = eqx.nn.LayerNorm(HIDDEN)
+        self.l2 = eqx.nn.Linear(HIDDEN, OUT, key=k2)
+
+    def __call__(self, x):
+        return jax.vmap(lambda v: self.l2(jax.nn.relu(self.norm(self.l1(v)))))(x)
+
+
+def eqx_model() -> Model:
+    """jddp's Equinox adapter, against a reference written with ``eqx.combine`` (not the adapter)."""
+    model = EqxMLP(jax.random.key(4))
+    static, params, model_state = models.eqx_split(model)
+
+    def fn(model, state, batch, key):
+        loss, metrics = classification(model(batch["x"]), batch)
+        return loss, state, metrics
+
+    def eqx_loss_fn(params, model_state, batch, rng):
+        loss, metrics = classification(eqx.combine(params, static)(batch["x"]), batch)
+        return loss, (model_state, metrics)
+
+    return Model(models.eqx_loss(static, fn), eqx_loss_fn, params, model_state)
+
+
+FACTORIES = {"pytree": pytree, "linen": linen, "nnx": nnx_model, "equinox": eqx_model}
 
 
 def reference_sgd(model: Model, batches: list[dict], lr: float):
