@@ -63,6 +63,9 @@ def test_configs_load_and_overrides_are_checked():
     assert config_lib.parse(train.Config, [], path=train.DEFAULT_CONFIG).model is train.Model.mlp
     cnn = config_lib.parse(train.Config, [f"config={CONFIGS / 'mnist1d_cnn.yaml'}", "epochs=3"])
     assert (cnn.model, cnn.epochs, cnn.learning_rate) == (train.Model.cnn, 3, 1e-2)
+    paper = config_lib.parse(train.Config, [f"config={CONFIGS / 'mnist1d_cnn_paper.yaml'}"])
+    assert (paper.model, paper.learning_rate, paper.weight_decay) == (train.Model.cnn, 1e-2, 0.0)
+    assert paper.epochs * (4000 // paper.global_batch_size) == 5986  # the paper's 6000 steps, batch 96 not 100
     with pytest.raises(config_lib.ConfigError, match=r"`model`.*'rnn'"):
         config_lib.parse(train.Config, ["model=rnn"])
     with pytest.raises(config_lib.ConfigError, match=r"Unknown config key `epoch`.*Did you mean `epochs`"):
