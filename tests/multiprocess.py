@@ -23,6 +23,32 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
+def spawn_slurm(
+    script: str, nprocs: int, devices_per_process: int, *args: str, **extra_env: str
+) -> list[subprocess.Popen]:
+    """Starts ``script`` as ``nprocs`` processes with the variables SLURM's ``srun`` sets (one node, 127.0.0.1),
+    and no ``JDDP_*`` group variables: ``jddp.initialize`` finds the group as JAX's cluster detection does."""
+    port = net.free_port()
+    procs = []
+    for i in range(nprocs):
+        env = environment(
+            SLURM_JOB_ID="4242",
+            SLURM_STEP_NODELIST="127.0.0.1",
+            SLURM_NTASKS=str(nprocs),
+            SLURM_PROCID=str(i),
+            SLURM_LOCALID=str(i),
+            JAX_COORDINATOR_PORT=str(port),
+            JDDP_LOCAL_DEVICES=str(devices_per_process),
+            **extra_env,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    return procs
+
+
 def spawn(script: str, nprocs: int, devices_per_process: int, *args: str, **extra_env: str) -> list[subprocess.Popen]:
     """Starts ``script`` as ``nprocs`` processes of one group, without the launcher.
 

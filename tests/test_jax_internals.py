@@ -55,6 +55,19 @@ def test_cluster_detected():
     assert jax_internals.cluster_detected() is False  # no SLURM, Open MPI or Kubernetes here
 
 
+def test_detect_cluster(monkeypatch):
+    assert jax_internals.detect_cluster(1) == (None, None, None, None)  # no cluster here
+    for name, value in {
+        "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[003-004]", "SLURM_NTASKS": "4", "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": "1234",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    found = jax_internals.detect_cluster(1)
+    assert found == ("node003:1234", 4, 2, [0]), moved(
+        "detect_cluster", "ClusterEnv.auto_detect_unset_distributed_params"
+    )
+
+
 def test_use_gloo_with_hostname():
     """Only looked up: registering a backend in pytest's process would replace its CPU client."""
     jax_lib = private("jax._src.lib", "_jax")

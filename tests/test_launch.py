@@ -244,11 +244,11 @@ SURVIVOR_LINE = {
 VICTIM_CODE = {"exit3": 3, "exit0": 0, "return": 0, "os_exit": 7, "raise": 1, "sigkill": -signal.SIGKILL}
 
 
-def end_group(victim: int, how: str) -> tuple[list, list[str], float]:
+def end_group(victim: int, how: str, spawn=multiprocess.spawn) -> tuple[list, list[str], float]:
     """Runs ``group.py end`` as two processes without a launcher; returns codes, outputs and how long after the
     victim's end the survivor exited. A victim that cannot exit by itself (stopped, or stuck holding the GIL)
     is killed once the survivor has ended."""
-    procs = multiprocess.spawn(GROUP, 2, 1, "end", str(victim), how, JDDP_PEER_TIMEOUT=str(PEER_TIMEOUT))
+    procs = spawn(GROUP, 2, 1, "end", str(victim), how, JDDP_PEER_TIMEOUT=str(PEER_TIMEOUT))
     survivor = procs[1 - victim]
     try:
         survivor.wait(timeout=240)
@@ -265,12 +265,13 @@ def end_group(victim: int, how: str) -> tuple[list, list[str], float]:
 
 @pytest.mark.parametrize(
     ("victim", "how"),
-    [(1, how) for how in SURVIVOR_LINE] + [(0, "exit3"), (0, "return"), (0, "raise"), (0, "sigstop"), (0, "gil")],
+    [(v, how) for v in (1, 0) for how in SURVIVOR_LINE],
     ids=lambda x: f"process-{x}" if isinstance(x, int) else x,
 )
 def test_a_process_that_ends_early_ends_the_group_in_bounded_time_naming_it(victim, how):
     """Whatever way one process ends while the other trains, the other exits 69 within peer timeout + 10 s with
-    a line naming it; the one that ended keeps its own exit code."""
+    a line naming it; the one that ended keeps its own exit code. Process 0 too, killed included: without a
+    launcher its jddp.initialize hosts the coordination service in a child process."""
     codes, outputs, after = end_group(victim, how)
     survivor = 1 - victim
     assert codes[survivor] == exitcodes.EXIT_PEER_LOST, multiprocess.show(codes, outputs)
@@ -281,6 +282,17 @@ def test_a_process_that_ends_early_ends_the_group_in_bounded_time_naming_it(vict
     assert re.search(rf"jddp: process {survivor} of 2 ({expected})", outputs[survivor]), outputs[survivor]
     if how in VICTIM_CODE:
         assert codes[victim] == VICTIM_CODE[how], multiprocess.show(codes, outputs)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit3"])
+def test_under_slurm_variables_losing_process_0_ends_the_group_naming_it(how):
+    """A group found from SLURM's variables (JAX's cluster detection, no JDDP_* variables, no launcher): process 0
+    hosts the coordination service in a child too, so its death is named like any other's."""
+    codes, outputs, after = end_group(0, how, spawn=multiprocess.spawn_slurm)
+    assert codes[1] == exitcodes.EXIT_PEER_LOST, multiprocess.show(codes, outputs)
+    assert after < PEER_TIMEOUT + 10, (after, multiprocess.show(codes, outputs))
+    assert re.search(rf"jddp: process 1 of 2 ({SURVIVOR_LINE[how].format(v=0)})", outputs[1]), outputs[1]
+    assert "coordinator 127.0.0.1:" in outputs[0] and codes[0] == VICTIM_CODE[how]
 
 
 @pytest.mark.parametrize(

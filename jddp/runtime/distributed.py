@@ -11,9 +11,12 @@ where the script runs:
 * under SLURM, Open MPI or Kubernetes (without those variables): it lets
   ``jax.distributed.initialize()`` detect the cluster.
 
-Process 0 runs the coordination service, bound to the coordinator address it is
-given (``127.0.0.1:port`` for a local run), never to every interface as JAX's
-default ``[::]:port`` does. On CPU the collectives are gloo. Each process prints
+The coordination service (JAX's key-value store, barriers and heartbeats) runs
+in a process of its own: the launcher's, or, without one, a child that process
+0 starts (``jddp.runtime.coordinator``), so that losing process 0 is like losing
+any other. It listens on the coordinator address it is given
+(``127.0.0.1:port`` for a local run), never on every interface as JAX's default
+``[::]:port`` does. On CPU the collectives are gloo. Each process prints
 one preflight line: its index, the process count, its local and the global
 devices, and the coordinator.
 
@@ -30,6 +33,7 @@ Environment variables (``jddp launch`` sets the first five):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -38,6 +42,7 @@ import sys
 import time
 
 from jddp import net
+from jddp.runtime import coordinator as coordinator_lib
 from jddp.runtime import jax_internals, mesh, watchdog
 
 ENV_COORDINATOR = "JDDP_COORDINATOR"
@@ -345,15 +350,23 @@ def _join(settings: _Settings, shutdown_timeout_s: float) -> str | None:
     import jax
 
     heartbeat = int(settings.peer_timeout_s + HEARTBEAT_MARGIN_S)
-    if settings.num_processes is None:  # a cluster JAX detects
-        jax.distributed.initialize(
-            initialization_timeout=int(settings.init_timeout_s),
-            heartbeat_timeout_seconds=heartbeat,
-            shutdown_timeout_seconds=int(shutdown_timeout_s),
+    local_device_ids = None
+    if settings.num_processes is None:  # a cluster: what JAX would detect, then joined like a group given in full
+        coordinator, num_processes, process_id, local_device_ids = jax_internals.detect_cluster(
+            int(settings.init_timeout_s)
         )
-        return jax_internals.coordinator_address()
-    coordinator, process_id = settings.coordinator, settings.process_id
-    assert coordinator is not None and process_id is not None  # checked by _Settings: a group gets all three
+        if coordinator is None or num_processes is None or process_id is None:
+            jax.distributed.initialize(  # a cluster JAX finds but cannot fully describe ahead: JAX's own way
+                initialization_timeout=int(settings.init_timeout_s),
+                heartbeat_timeout_seconds=heartbeat,
+                shutdown_timeout_seconds=int(shutdown_timeout_s),
+            )
+            return jax_internals.coordinator_address()
+        settings = dataclasses.replace(
+            settings, coordinator=coordinator, num_processes=num_processes, process_id=process_id
+        )
+    coordinator, num_processes, process_id = settings.coordinator, settings.num_processes, settings.process_id
+    assert coordinator is not None and num_processes is not None and process_id is not None  # all three, checked
     host, port = net.split_address(coordinator)
     deadline = time.monotonic() + settings.init_timeout_s
     bind = settings.bind_address or coordinator
@@ -361,15 +374,24 @@ def _join(settings: _Settings, shutdown_timeout_s: float) -> str | None:
         # jax.distributed.initialize starts a service in process 0 whatever happens; this one listens on a port
         # of its own that no process joins, and the group uses the launcher's.
         bind = "127.0.0.1:0"
-        _wait_reachable(host, port, deadline, process_id, settings.num_processes)
+        _wait_reachable(host, port, deadline, process_id, num_processes)
     elif process_id == 0:
+        # No launcher hosts the service: host it in a child of this process, so that the group outlives process 0
+        # long enough to name it when it dies (JAX's own service in process 0 would take every survivor with it).
         net.check_port_free(*net.split_address(bind))
+        grace = settings.peer_timeout_s + HEARTBEAT_MARGIN_S
+        shutdown = int(shutdown_timeout_s)
+        child = coordinator_lib.start_for_parent(bind, num_processes, heartbeat, shutdown, grace)
+        atexit.register(coordinator_lib.stop, child)  # runs after the watchdog's exit hook (registered later)
+        bind = "127.0.0.1:0"
+        _wait_reachable(host, port, deadline, process_id, num_processes)
     else:
-        _wait_reachable(host, port, deadline, process_id, settings.num_processes)
+        _wait_reachable(host, port, deadline, process_id, num_processes)
     jax.distributed.initialize(
         coordinator,
-        settings.num_processes,
+        num_processes,
         process_id,
+        local_device_ids=local_device_ids,
         coordinator_bind_address=bind,
         initialization_timeout=max(1, int(deadline - time.monotonic())),
         heartbeat_timeout_seconds=heartbeat,

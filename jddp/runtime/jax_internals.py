@@ -48,6 +48,20 @@ def coordinator_address() -> str | None:
     return distributed.global_state.coordinator_address
 
 
+def detect_cluster(timeout_s: int) -> tuple[str | None, int | None, int | None, list[int] | None]:
+    """``(coordinator, num_processes, process_id, local_device_ids)`` as ``jax.distributed.initialize()`` would
+    detect them on a cluster (SLURM, Open MPI, Kubernetes...), each None where none is found.
+
+    Public JAX detects them only inside ``initialize``, where process 0 then hosts the coordination service
+    itself; jddp needs them first, to host the service in a process of its own.
+    """
+    from jax._src import clusters
+
+    found = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, timeout_s)
+    coordinator, num_processes, process_id, local_device_ids = found
+    return coordinator, num_processes, process_id, None if local_device_ids is None else list(local_device_ids)
+
+
 def cluster_detected() -> bool:
     """Whether ``jax.distributed.initialize()`` would find a cluster (SLURM, Open MPI, Kubernetes...).
 
