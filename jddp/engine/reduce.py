@@ -113,4 +113,4 @@ def as_weighted(value, count: jax.Array, what: str) -> Weighted:
 
 def safe_divide(total: jax.Array, weight: jax.Array) -> jax.Array:
     """``total / weight``, 0 where ``weight`` is 0."""
-    return jnp.where(weight > 0, total / jnp.where(weight >= 0, weight, 1), 0.0)
+    return jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1), 0.0)
