@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
+from omegaconf import nodes as oc_nodes
 
 T = TypeVar("T")
 COMMAND_LINE = "command line"
@@ -170,6 +171,11 @@ def _load(path: str | os.PathLike) -> DictConfig:
         loaded = OmegaConf.load(file)
     except yaml.YAMLError as error:
         raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {error}") from None
+    except oc_errors.OmegaConfBaseException as error:  # valid YAML that is no config, e.g. a `null:` key
+        raise ConfigError(
+            f"Config file {str(path)!r} cannot be read as a config: {str(error).splitlines()[0]}. Keys must be "
+            "names (strings), as the fields of the config are."
+        ) from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(
             f"Config file {str(path)!r} must hold a mapping of keys to values, got a {type(loaded).__name__}."
@@ -184,12 +190,18 @@ def _merge(schema: type, base: DictConfig, other: DictConfig, *, source: str) ->
     except oc_errors.ConfigKeyError as error:
         key = error.full_key or str(error.key)
         raise ConfigError(f"Unknown config key `{key}` {where}. {_suggest(schema, key)}") from None
-    except oc_errors.ValidationError as error:
-        key = error.full_key or _first_bad_key(base, other)
-        value = error.value if error.full_key else _get(other, key)
+    except (oc_errors.ValidationError, oc_errors.OmegaConfBaseException, TypeError) as error:
+        # A wrong type (ValidationError), or a mapping where a list belongs and the like (OmegaConf's TypeError).
+        full_key = getattr(error, "full_key", None)
+        if full_key:  # OmegaConf's own key (a mapping's keys may hold dots): its value, unwrapped from its node
+            key, value = full_key, getattr(error, "value", None)
+            value = value._value() if isinstance(value, oc_nodes.ValueNode) else value
+        else:
+            key = _leaf_field(schema, _first_bad_key(base, other))
+            value = _get(other, key)
         raise ConfigError(
             f"Config key `{key}` {where} has a value of the wrong type: {key}={value!r} "
-            f"({type(value).__name__}), expected {_expected(schema, key)}."
+            f"({_type_name(value)}), expected {_expected(schema, key)}."
         ) from None
     assert isinstance(merged, DictConfig)  # a mapping merged into a DictConfig stays a DictConfig
     return merged
@@ -198,13 +210,44 @@ def _merge(schema: type, base: DictConfig, other: DictConfig, *, source: str) ->
 def _first_bad_key(base: DictConfig, cfg: DictConfig) -> str:
     """The first key of ``cfg`` that cannot be merged into ``base`` (OmegaConf omits it for some values)."""
     for key in _keys(cfg):
+        if _is_missing(cfg, key):  # `???`: a value still to be given, never the bad one
+            continue
         single = OmegaConf.create()
         OmegaConf.update(single, key, _get(cfg, key), force_add=True)
         try:
             OmegaConf.merge(base, single)
-        except oc_errors.OmegaConfBaseException:
+        except (oc_errors.OmegaConfBaseException, TypeError):
             return key
     return "?"
+
+
+def _leaf_field(schema: type, key: str) -> str:
+    """``key``, or the field above it that has no keys of its own (``model.dims`` for ``model.dims.a`` when
+    ``dims`` is a tuple): the field whose value is wrong."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        t = _field_type(schema, ".".join(parts[:i]))
+        if t is not None and not dataclasses.is_dataclass(t) and typing.get_origin(t) is not dict:
+            return ".".join(parts[:i])
+    return key
+
+
+def _is_missing(cfg: DictConfig, key: str) -> bool:
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else cfg
+    try:
+        return isinstance(node, DictConfig) and OmegaConf.is_missing(node, name)
+    except oc_errors.OmegaConfBaseException:
+        return False
+
+
+def _type_name(value: Any) -> str:
+    """The Python type a user would name: OmegaConf's containers as ``dict`` and ``list``."""
+    if isinstance(value, DictConfig):
+        return "dict"
+    if OmegaConf.is_list(value):
+        return "list"
+    return type(value).__name__
 
 
 def _keys(cfg: DictConfig, prefix: str = "") -> list[str]:

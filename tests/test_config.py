@@ -182,3 +182,27 @@ def test_a_config_error_happens_before_any_jax_import(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("ConfigError:") == 5, done.stdout
     assert "jax imported: False False" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("overrides", "text", "expected"),
+    [
+        # A mapping where a tuple belongs: OmegaConf's raw TypeError before.
+        (
+            ["model.dims.a=1"],
+            None,
+            r"`model.dims` on the command line .* model.dims=\{'a': 1\} \(dict\), expected tuple",
+        ),
+        ([], "model:\n  dims: {a: 1}\n", r"`model.dims` in .* model.dims=\{'a': 1\} \(dict\), expected tuple"),
+        # A `???` (still to be given) before the bad value: the bad one is named, not the `???`.
+        ([], "name: '???'\nmodel: 3\n", r"`model` in .* model=3 \(int\), expected Model"),
+        # The value as written, not OmegaConf's node type (AnyNode).
+        (["model.dims=3"], None, r"model.dims=3 \(int\), expected tuple\[int, \.\.\.\]"),
+        # A `null:` key: OmegaConf's KeyValidationError before.
+        ([], "null: 1\n", r"cannot be read as a config: Incompatible key type 'NoneType'\. Keys must be names"),
+    ],
+)
+def test_wrong_shapes_of_values_are_config_errors_naming_the_key(tmp_path, overrides, text, expected):
+    path = write(tmp_path, text) if text is not None else None
+    with pytest.raises(config.ConfigError, match=expected):
+        config.parse(Config, overrides, path=path)

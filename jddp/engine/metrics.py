@@ -42,6 +42,11 @@ class Metrics(Mapping[str, float]):
 
     def _store(self, packed: np.ndarray) -> None:
         values = np.asarray(packed, np.float64).tolist()
+        if len(values) < len(self.names):
+            raise ValueError(
+                f"Metrics: {len(values)} value(s) for the {len(self.names)} names {list(self.names)}; build Metrics "
+                "from a vector with one value per name (and, for eval_step's, one weight per mean after them)."
+            )
         self._host = dict(zip(self.names, values[: len(self.names)], strict=True))
         self._weights = dict(zip(self.names, values[len(self.names) :], strict=False))
 
