@@ -54,3 +54,12 @@ def check_port_free(host: str, port: int) -> None:
                     f"{host}:<port>`), or leave --coordinator out and jddp launch picks a free one.",
                 ) from None
             raise OSError(e.errno, f"Cannot bind the coordinator address {host}:{port}: {e.strerror}.") from None
+
+
+def answers(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` within ``timeout_s`` (closed at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -298,18 +299,12 @@ def test_under_slurm_variables_losing_process_0_ends_the_group_naming_it(how):
 @pytest.mark.parametrize(
     ("nodes", "victim", "how"),
     [
-        (1, 1, "exit3"),
-        (1, 1, "sigkill"),
-        (1, 0, "raise"),
-        (1, 0, "sigkill"),
-        (1, 0, "os_exit"),
-        (1, 0, "sigstop"),
-        (1, 1, "gil"),
-        (2, 1, "exit3"),
-        (2, 1, "os_exit"),
-        (2, 0, "exit0"),
-        (2, 0, "sigkill"),
-    ],
+        (nodes, victim, how)
+        for nodes in (1, 2)
+        for victim in (1, 0)
+        for how in ("exit3", "exit0", "os_exit", "raise", "sigkill", "sigstop")
+    ]
+    + [(1, 1, "gil")],
 )
 def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(nodes, victim, how):
     """One launcher for both processes, or one per "host" (--nnodes 2 on loopback): the survivor prints its
@@ -317,7 +312,7 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
     peer timeout + 10 s, and the summary names the process that ended first, or the frozen one that its launcher
     had to stop. Losing process 0 is no different: the coordination service runs in the launcher's own process."""
     port = str(net.free_port())
-    common = ("--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1")
+    common = ("--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1", "--term-timeout", "2")
     if nodes == 1:
         argvs = [("-n", "2", *common)]
     else:
@@ -335,15 +330,23 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
         )
         for argv in argvs
     ]
-    results = [launcher.communicate(timeout=240) for launcher in launchers]
-    ended = time.time()
+    survivor = 1 - victim
+    # Node 0's launcher cannot learn that the group ended on node 1 while its own process 0 is frozen (nothing of
+    # node 1 reaches it but through the coordination service, which it hosts): it is stopped from outside, as a
+    # scheduler or a user would, once the survivor's launcher has ended. Documented in docs/guides/launch.md.
+    stuck = nodes == 2 and victim == 0 and how in ("sigstop", "gil")
+    results, ends = ended_launchers(launchers, stop_last=stuck)
     stdout = "".join(out for out, _ in results)
     stderr = "".join(err for _, err in results)
     shown = stdout[-2000:] + stderr[-4000:]
     ending = lines_with(stdout, "ENDING")
     assert ending, shown
-    assert ended - float(ending[0].split()[-1]) < PEER_TIMEOUT + 10, shown
-    survivor = 1 - victim
+    # The group ends when the survivor does: with one launcher per node, its node's launcher; node 0's launcher
+    # may keep the coordination service up a little longer for the other nodes (``linger``).
+    group_end = ends[0] if nodes == 1 else ends[survivor]
+    assert group_end - float(ending[0].split()[-1]) < PEER_TIMEOUT + 10, shown
+    if nodes == 2 and not stuck:
+        assert max(ends) - float(ending[0].split()[-1]) < 2 * PEER_TIMEOUT + 15, shown
     expected = SURVIVOR_LINE[how].format(v=victim)
     assert re.search(rf"\[{survivor}\] jddp: process {survivor} of 2 ({expected})", stderr), shown
     code = VICTIM_CODE.get(how, -signal.SIGKILL)  # a frozen process is killed by its launcher
@@ -354,10 +357,37 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
     codes = [launcher.returncode for launcher in launchers]
     if nodes == 1:
         assert codes == [code if code >= 0 else 128 - code], shown
+    elif stuck:
+        assert codes[survivor] == exitcodes.EXIT_PEER_LOST and codes[victim] != 0, shown
     else:
         assert codes[survivor] == exitcodes.EXIT_PEER_LOST and codes[victim] == (code if code >= 0 else 128 - code), (
             shown
         )
+
+
+def ended_launchers(launchers: list[subprocess.Popen], *, stop_last: bool) -> tuple[list, list[float]]:
+    """Each launcher's (stdout, stderr) and the time it ended. With ``stop_last``, the last launcher still running
+    once the others have ended gets SIGTERM (a scheduler's stop)."""
+    results: list = [None] * len(launchers)
+    ends = [0.0] * len(launchers)
+
+    def wait(i: int) -> None:
+        results[i] = launchers[i].communicate(timeout=240)
+        ends[i] = time.time()
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(launchers))]
+    for t in threads:
+        t.start()
+    if stop_last:
+        while sum(t.is_alive() for t in threads) > 1:
+            time.sleep(0.1)
+        time.sleep(2.0)
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join()
+    return results, ends
 
 
 def test_barrier_times_out_naming_the_missing_process():

@@ -101,6 +101,9 @@ SERVICE_HEARTBEAT_S = 3600
 SERVICE_SHUTDOWN_S = 300
 SERVICE_START_TIMEOUT_S = 60.0
 PEER_LOST_WAIT_S = 5.0  # after a process exits 69, how long the others get to end by themselves
+# Nodes other than 0: how long node 0's coordination service may go unanswered (after it first answered) before
+# this node's processes, still running, are stopped: the group has ended there (a frozen process here never would).
+SERVICE_GONE_S = 5.0
 SERVICE_READY = b"jddp coordinator: listening on"  # jddp.runtime.coordinator.READY
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -271,6 +274,7 @@ class _Launcher:
         self.signal_received: int | None = None
         self.workers: list[_Worker] = []
         self.service: subprocess.Popen[bytes] | None = None
+        self.probed_at, self.service_answered, self.service_silent_since = 0.0, False, None
 
     # -- the coordination service (node 0 only) -------------------------------
     def start_service(self, coordinator: str) -> None:
@@ -449,10 +453,10 @@ class _Launcher:
             return None
         first = min(failed, key=lambda wc: (exitcodes.is_peer_failure(wc[1]), wc[0].unresponsive, wc[1] >= 0))[0]
         if exitcodes.is_peer_failure(first.code or 0):
-            # Only processes that lost a peer: the cause may be one that ended normally (exit 0) before them,
-            # e.g. a script that returned early while the others still needed it.
-            last = first.ended if first.ended is not None else time.monotonic()
-            early = [w for w in self.workers if w.code == 0 and w.ended is not None and w.ended <= last]
+            # Only processes that lost a peer: the cause is one that ended normally (exit 0) while they still
+            # needed it, e.g. a script that returned early. It waits at its exit for the others, so its own exit
+            # can come after theirs: any exit 0 of the round counts.
+            early = [w for w in self.workers if w.code == 0]
             if early:
                 return min(early, key=lambda w: w.ended or 0.0)
         return first
@@ -483,13 +487,37 @@ class _Launcher:
         while time.monotonic() < deadline and self.signal_received is None:
             time.sleep(0.1)
 
+    def service_gone(self) -> bool:
+        """On nodes other than 0: whether node 0's coordination service, which answered before, has not answered
+        for ``SERVICE_GONE_S`` (probed once a second)."""
+        if self.config.node_rank == 0 or self.config.coordinator is None:
+            return False
+        now = time.monotonic()
+        if now - self.probed_at < 1.0:
+            return self.service_silent_since is not None and now - self.service_silent_since > SERVICE_GONE_S
+        self.probed_at = now
+        if net.answers(*net.split_address(self.config.coordinator)):
+            self.service_answered, self.service_silent_since = True, None
+        elif self.service_answered and self.service_silent_since is None:
+            self.service_silent_since = now
+        return self.service_silent_since is not None and now - self.service_silent_since > SERVICE_GONE_S
+
     def watch(self) -> tuple[str, _Worker | None]:
         """Watches the started processes until they all ended; returns as ``run_once`` does."""
+        self.probed_at, self.service_answered, self.service_silent_since = 0.0, False, None
         while True:
             if self.signal_received is not None:
                 self.stop_after_signal(self.signal_received)
                 return "signal", None
             self.poll()
+            if self.service_gone() and any(w.code is None for w in self.workers):
+                self.output.say(
+                    f"the coordination service at {self.config.coordinator} has not answered for "
+                    f"{SERVICE_GONE_S:g} s: the group has ended on node 0; stopping this node's processes"
+                )
+                self.stop_all(self.config.kill_grace)
+                self.poll()
+                return "failed", self.first_failure()
             first_failed = self.first_failure()
             if first_failed is not None:
                 assert first_failed.code is not None  # first_failure picks among processes that exited
