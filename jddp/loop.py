@@ -101,6 +101,7 @@ def fit(
     log_every: int = 10,
     config: Any = None,
     progress: bool = True,
+    skip_steps: tuple[int, int] | None = None,
 ) -> FitResult:
     """Trains ``state`` with ``dp`` on ``train_loader``; see the module docstring.
 
@@ -121,6 +122,13 @@ def fit(
       config: the run's config (dataclass, mapping or OmegaConf config): printed,
         saved, and fingerprinted by the checkpointer.
       progress: a tqdm bar on process 0.
+      skip_steps: ``(first, last)``: when the run reaches step ``first``, the
+        global batches of steps ``first`` to ``last`` are skipped, unread (after
+        a loss spike: resume from a checkpoint before ``first``). The skip is
+        recorded in the loader's state (and so in every later checkpoint, and
+        in ``examples_at``) and as a ``skip`` record in ``metrics.jsonl``; a
+        resume from before ``first`` with the same argument skips the same
+        batches, one from after it has them skipped already.
 
     Returns:
       A ``FitResult``.
@@ -138,10 +146,18 @@ def fit(
     validate.check_int("log_every", log_every, optional=True)
     if eval_every is not None and eval_loader is None:
         raise ValueError(f"`eval_every={eval_every}` needs an `eval_loader`; pass one or drop `eval_every`.")
+    if skip_steps is not None:
+        ok = isinstance(skip_steps, tuple | list) and len(skip_steps) == 2 and all(type(x) is int for x in skip_steps)
+        if not (ok and 0 <= skip_steps[0] <= skip_steps[1]):
+            raise ValueError(
+                f"`skip_steps={skip_steps!r}` must be (first, last): two step numbers with 0 <= first <= last, "
+                "e.g. (100, 110) to skip the data of steps 100 to 110."
+            )
     config_text = config_lib.to_yaml(config) if config is not None else None
     if checkpointer is not None and config is not None:
         _fingerprint(checkpointer, config)
     run = _Run(dp, train_loader, eval_loader, checkpointer, total, eval_every, log_every, progress)
+    run.skip_steps = None if skip_steps is None else (int(skip_steps[0]), int(skip_steps[1]))
     return run(state, Path(log_dir) if log_dir is not None else None, config, config_text)
 
 
@@ -215,6 +231,7 @@ class _Run:
         self.epoch, self.window = self.means.epoch, self.means.window
         self.log: logs.RunLog | None = None
         self.bar = None
+        self.skip_steps: tuple[int, int] | None = None
 
     @contextlib.contextmanager
     def timed(self, key: str):
@@ -231,6 +248,11 @@ class _Run:
                 state, _ = self.ckpt.restore_or_init(state, self.loader, extra=self.means)
         self.step = first = int(jax.device_get(state.step))
         self.announce(first, config_text)
+        if self.skip_steps is not None and first > self.skip_steps[0] and not self.loader.sampler.skipped:
+            self.say(
+                f"fit: skip_steps starts at step {self.skip_steps[0]}, before the restored step {first}: nothing is "
+                "skipped (resume from a checkpoint at or before that step to skip its data)"
+            )
         if self.main:
             self.open_outputs(first, log_dir, config)
         try:
@@ -295,6 +317,10 @@ class _Run:
         iterator = iter(self.loader)
         try:
             while self.step < self.total:
+                if self.skip_steps is not None and self.step == self.skip_steps[0]:
+                    iterator.close()
+                    self.skip_data(*self.skip_steps)
+                    iterator = iter(self.loader)
                 with self.timed("data_wait_s"):
                     batch = next(iterator, None)
                 if batch is None:  # end of an epoch: the loader goes on with the next
@@ -306,6 +332,15 @@ class _Run:
         with self.timed("step_s"):  # the steps still running on the devices
             jax.block_until_ready(state)
         return state
+
+    def skip_data(self, first: int, last: int) -> None:
+        """Skips the batches of steps ``first`` to ``last`` (the run is at step ``first``), on every process."""
+        start = self.loader.sampler.position
+        self.loader.skip(last - first + 1)
+        self.record("skip", {"position": float(start), "batches": float(last - first + 1)})
+        self.say(
+            f"fit: skipped the data of steps {first} to {last} (loader positions {start} to {start + last - first})"
+        )
 
     def one_step(self, state, batch):
         start = time.perf_counter()

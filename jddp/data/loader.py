@@ -397,6 +397,16 @@ class DataLoader:
         """As ``DistributedBatchSampler.set_epoch``; optional, the position implies the epoch."""
         self.sampler.set_epoch(epoch)
 
+    def skip(self, batches: int) -> None:
+        """Skips the next ``batches`` global batches, on every process alike (call it on all), and records it in
+        the state: ``examples_at`` and a resumed run account for it. See ``DistributedBatchSampler.skip``."""
+        self.sampler.skip(batches)
+        self._agreed = False  # in a group: compared again at the next batch, so a skip on one process only is refused
+
+    def examples_at(self, step: int) -> np.ndarray:
+        """The dataset indices of the real examples of training step ``step``'s global batch (all processes')."""
+        return self.sampler.examples_at(step)
+
     def get_state(self) -> dict[str, Any]:
         """The position in the global sequence, JSON-able and independent of the process count."""
         return self.sampler.state_dict()

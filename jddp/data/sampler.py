@@ -28,6 +28,14 @@ Guarantees:
 * ``state_dict()`` is a small JSON-able dict; ``load_state_dict`` accepts it
   on any ``num_replicas`` and continues the same global sequence.
 
+Provenance: every global batch follows from the settings and its position,
+so nothing needs logging to say which examples a past step trained on. A run
+that consumes one batch per step (``jddp.fit``, or any loop over the loader)
+took position ``step`` at each step, unless batches were skipped: ``skip(n)``
+(after a loss spike: restore an earlier checkpoint, skip the batches that led
+to it) records the skipped range of positions in the state, so a resumed run
+and ``examples_at(step)`` keep mapping steps to positions correctly.
+
 This module imports NumPy only.
 """
 
@@ -125,6 +133,7 @@ class DistributedBatchSampler:
         self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
         self.local_batch_size = global_batch_size // num_replicas
         self.position = 0
+        self.skipped: list[tuple[int, int]] = []  # ranges [start, stop) of positions skipped, in order
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
@@ -145,6 +154,41 @@ class DistributedBatchSampler:
         _check_int("epoch", epoch, 0, "epochs count from 0")
         if self.epoch != epoch:
             self.position = epoch * len(self)
+
+    def skip(self, batches: int) -> None:
+        """Skips the next ``batches`` global batches (their examples are not read), and records it.
+
+        Example:
+          >>> s = DistributedBatchSampler(100, global_batch_size=10)
+          >>> s.position = 7; s.skip(3); s.position, s.skipped, s.position_of_step(7)
+          (10, [(7, 10)], 10)
+        """
+        _check_int("batches", batches, 1, "skip at least one batch")
+        self.skipped.append((self.position, self.position + batches))
+        self.position += batches
+
+    def position_of_step(self, step: int) -> int:
+        """The position of the global batch that training step ``step`` (from 0) took: ``step`` plus the batches
+        skipped before it."""
+        _check_int("step", step, 0, "steps count from 0")
+        position = step
+        for start, stop in sorted(self.skipped):
+            if position < start:
+                break
+            position += stop - start
+        return position
+
+    def examples_at(self, step: int) -> np.ndarray:
+        """The dataset indices of the real examples (not padding) that formed step ``step``'s global batch, in
+        the global order; the same on any number of replicas.
+
+        Example:
+          >>> s = DistributedBatchSampler(10, global_batch_size=4, shuffle=False, drop_last=False)
+          >>> s.examples_at(0), s.examples_at(2), s.examples_at(3)
+          (array([0, 1, 2, 3]), array([8, 9]), array([0, 1, 2, 3]))
+        """
+        indices, mask, _ = self.global_batch(self.position_of_step(step))
+        return indices[mask > 0]
 
     def order(self, epoch: int) -> np.ndarray:
         """The global order of ``epoch``: a permutation of the dataset's indices."""
@@ -210,6 +254,7 @@ class DistributedBatchSampler:
             "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "skipped": [list(r) for r in self.skipped],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -230,7 +275,24 @@ class DistributedBatchSampler:
                 "with the dataset and settings it was saved with, or start this data from scratch."
             )
         _check_int("position", state["position"], 0, "positions count from 0")
+        skipped = _skipped_ranges(state.get("skipped", []), int(state["position"]))
         self.position = int(state["position"])
+        self.skipped = skipped
+
+
+def _skipped_ranges(value: Any, position: int) -> list[tuple[int, int]]:
+    """The ``skipped`` entry of a state, checked: increasing, disjoint ranges before ``position``."""
+    ranges, end = [], 0
+    for r in value if isinstance(value, list) else [None]:
+        ok = isinstance(r, list | tuple) and len(r) == 2 and all(type(x) is int for x in r)
+        if not (ok and r is not None and end <= r[0] < r[1] <= position):
+            raise ValueError(
+                f"Sampler state has skipped={value!r}: it must be a list of increasing, disjoint [start, stop) "
+                f"position ranges before the position {position}, as `state_dict()` writes it."
+            )
+        ranges.append((int(r[0]), int(r[1])))
+        end = r[1]
+    return ranges
 
 
 def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
