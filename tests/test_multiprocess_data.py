@@ -43,3 +43,20 @@ def test_processes_whose_loaders_differ_are_refused_at_the_first_batch(what, nam
     lines = [line for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
     expected = f"RESULT refused The DataLoaders of this run's processes differ in {names}"
     assert lines == [expected, expected], outputs
+
+
+def test_a_skip_on_some_processes_only_is_refused_naming_them():
+    """``loader.skip`` is agreed across processes: different counts are refused on both, a skip that one process
+    does not make times out on the other naming it; nothing is skipped either way."""
+    script = str(Path(__file__).parent / "workers" / "loader_disagree.py")
+    outputs = multiprocess.run(script, 2, 1, "skip")
+    lines = [line for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
+    expected = (
+        "RESULT refused DataLoader.skip: the processes differ "
+        "(process 0: position 1, skip 1, process 1: position 1, skip 2)"
+    )
+    assert lines == [expected, expected], outputs
+    outputs = multiprocess.run(script, 2, 1, "skip_one")
+    results = [[line for line in out.splitlines() if line.startswith("RESULT ")] for out in outputs]
+    assert results[0] == ["RESULT accepted"], outputs
+    assert len(results[1]) == 1 and "did not call" in results[1][0] and "[0]" in results[1][0], outputs

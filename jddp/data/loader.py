@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime, validate
 from jddp.data import sampler as sampler_lib
-from jddp.runtime import dispatch, distributed, packing, watchdog
+from jddp.runtime import dispatch, distributed, host, packing, watchdog
 
 Example = dict[str, np.ndarray]
 Transform = Callable[[Example, np.random.Generator], Example]
@@ -397,11 +397,28 @@ class DataLoader:
         """As ``DistributedBatchSampler.set_epoch``; optional, the position implies the epoch."""
         self.sampler.set_epoch(epoch)
 
-    def skip(self, batches: int) -> None:
-        """Skips the next ``batches`` global batches, on every process alike (call it on all), and records it in
-        the state: ``examples_at`` and a resumed run account for it. See ``DistributedBatchSampler.skip``."""
+    def skip(self, batches: int, *, timeout_s: float = 300.0) -> None:
+        """Skips the next ``batches`` global batches and records it in the state: ``examples_at`` and a resumed
+        run account for it (see ``DistributedBatchSampler.skip``).
+
+        In a group every process must call it at the same point with the same ``batches``: the calls are agreed
+        (``jddp.host_all_gather``) before anything moves.
+
+        Raises:
+          ValueError: ``batches`` is not a positive int; on every process, when the processes ask for different
+            skips or stand at different positions, naming each one's.
+          TimeoutError: after ``timeout_s``, naming the processes that did not call.
+        """
+        sampler_lib.check_skip(batches)
+        if jax.process_count() > 1:
+            asked = host.host_all_gather((self.sampler.position, batches), timeout_s=timeout_s)
+            if len(set(asked)) > 1:
+                listed = ", ".join(f"process {i}: position {p}, skip {n}" for i, (p, n) in enumerate(asked))
+                raise ValueError(
+                    f"DataLoader.skip: the processes differ ({listed}). Call skip on every process at the same "
+                    "point with the same number, e.g. from the run's config (jddp.fit's skip_steps does)."
+                )
         self.sampler.skip(batches)
-        self._agreed = False  # in a group: compared again at the next batch, so a skip on one process only is refused
 
     def examples_at(self, step: int) -> np.ndarray:
         """The dataset indices of the real examples of training step ``step``'s global batch (all processes')."""

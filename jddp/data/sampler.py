@@ -163,7 +163,7 @@ class DistributedBatchSampler:
           >>> s.position = 7; s.skip(3); s.position, s.skipped, s.position_of_step(7)
           (10, [(7, 10)], 10)
         """
-        _check_int("batches", batches, 1, "skip at least one batch")
+        check_skip(batches)
         self.skipped.append((self.position, self.position + batches))
         self.position += batches
 
@@ -293,6 +293,11 @@ def _skipped_ranges(value: Any, position: int) -> list[tuple[int, int]]:
         ranges.append((int(r[0]), int(r[1])))
         end = r[1]
     return ranges
+
+
+def check_skip(batches: Any) -> None:
+    """Raises unless ``batches`` is a number of batches to skip (an int of at least 1)."""
+    _check_int("batches", batches, 1, "skip at least one batch")
 
 
 def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
