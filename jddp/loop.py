@@ -55,6 +55,9 @@ from jddp.engine import parallel
 from jddp.runtime import state as state_lib
 
 CONFIG_FILE = "config.yaml"
+# Steps between replica checks in fit: a check reads the state once on every device (about one optimizer update's
+# memory traffic), so every 100 steps costs well under 1% of the step time (benchmarks/replica_check.py).
+REPLICA_CHECK_EVERY = 100
 TIMES = ("compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")
 
 
@@ -102,6 +105,7 @@ def fit(
     config: Any = None,
     progress: bool = True,
     skip_steps: tuple[int, int] | None = None,
+    replica_check_every: int | None = REPLICA_CHECK_EVERY,
 ) -> FitResult:
     """Trains ``state`` with ``dp`` on ``train_loader``; see the module docstring.
 
@@ -122,6 +126,12 @@ def fit(
       config: the run's config (dataclass, mapping or OmegaConf config): printed,
         saved, and fingerprinted by the checkpointer.
       progress: a tqdm bar on process 0.
+      replica_check_every: steps between checks that every replica of the
+        state is still bit-identical (``dp.check_replicas``: a checksum of
+        each copy on its device), also before each checkpoint, so a state
+        whose replicas drifted apart is never saved; None: no checks. A
+        mismatch raises ``ReplicaMismatchError`` naming the leaf, the devices
+        and the processes.
       skip_steps: ``(first, last)``: when the run reaches step ``first``, the
         global batches of steps ``first`` to ``last`` are skipped, unread (after
         a loss spike: resume from a checkpoint before ``first``). The skip is
@@ -144,6 +154,7 @@ def fit(
     total = _total_steps(epochs, steps, len(train_loader))
     validate.check_int("eval_every", eval_every, optional=True)
     validate.check_int("log_every", log_every, optional=True)
+    validate.check_int("replica_check_every", replica_check_every, optional=True)
     if eval_every is not None and eval_loader is None:
         raise ValueError(f"`eval_every={eval_every}` needs an `eval_loader`; pass one or drop `eval_every`.")
     if skip_steps is not None:
@@ -158,6 +169,7 @@ def fit(
         _fingerprint(checkpointer, config)
     run = _Run(dp, train_loader, eval_loader, checkpointer, total, eval_every, log_every, progress)
     run.skip_steps = None if skip_steps is None else (int(skip_steps[0]), int(skip_steps[1]))
+    run.replica_check_every = replica_check_every
     return run(state, Path(log_dir) if log_dir is not None else None, config, config_text)
 
 
@@ -232,6 +244,7 @@ class _Run:
         self.log: logs.RunLog | None = None
         self.bar = None
         self.skip_steps: tuple[int, int] | None = None
+        self.replica_check_every: int | None = None
 
     @contextlib.contextmanager
     def timed(self, key: str):
@@ -370,8 +383,13 @@ class _Run:
             self.epoch.reset()
         if self.eval_due():
             self.evaluate(state)
+        save_due = self.ckpt is not None and bool(self.ckpt.save_every) and self.step % self.ckpt.save_every == 0
+        every = self.replica_check_every
+        if every is not None and (self.step % every == 0 or save_due):
+            with self.timed("step_s"):
+                self.dp.check_replicas(state)  # raises before a drifted state can be saved
         if self.ckpt is not None:
-            if self.ckpt.save_every and self.step % self.ckpt.save_every == 0:
+            if save_due:
                 with self.timed("step_s"):  # a save waits for the step first; count that as stepping
                     jax.block_until_ready(state)
             with self.timed("checkpoint_s"):

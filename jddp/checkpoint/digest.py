@@ -20,42 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jddp.runtime import checksum
+
 # Dataclass field metadata key: a field with ``metadata={FINGERPRINT: False}`` (``jddp.config.run_field``) is left
 # out of the config fingerprint, so that run settings (devices, log and checkpoint paths) may change on resume.
 FINGERPRINT = "fingerprint"
 
 
-def _leaf_digest(x: jax.Array) -> jax.Array:
-    """Two weighted sums of the leaf's 32-bit words, mod 2^32.
-
-    The words form rows of 1024; one sum weights each word by an odd constant of
-    its column, the other weights each row's sum by an odd constant of its row.
-    Odd weights make any change of a single word change the first sum. A typed
-    PRNG key is digested through its key data.
-    """
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:  # bitcast refuses bool: its bytes as uint8 (a bool model-state leaf, a flag)
-        x = x.astype(jnp.uint8)
-    if x.dtype.itemsize == 2:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    elif x.dtype.itemsize == 1:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
-    else:  # 4 bytes, or two words per 8-byte element
-        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    words = words.reshape(-1)
-    pad = -words.size % 1024
-    rows = jnp.pad(words, (0, pad)).reshape(-1, 1024)
-    columns = (jnp.arange(1024, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
-    row_weights = (jnp.arange(rows.shape[0], dtype=jnp.uint32) * jnp.uint32(0x85EBCA77)) | jnp.uint32(1)
-    row_sums = jnp.sum(rows * columns[None, :], axis=1, dtype=jnp.uint32)
-    size = jnp.uint32(words.size)
-    return jnp.stack([jnp.sum(row_sums, dtype=jnp.uint32) ^ size, jnp.sum(row_sums * row_weights, dtype=jnp.uint32)])
-
-
 @jax.jit
 def _digests(leaves: list[jax.Array]) -> jax.Array:
-    return jnp.stack([_leaf_digest(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+    return jnp.stack([checksum.leaf_checksum(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
 
 
 def digest_array(tree) -> jax.Array:

@@ -324,11 +324,17 @@ class DataParallel:
             raise RuntimeError("The backend gives no compiled HLO text, so the step's collectives cannot be listed.")
         return comm.CommReport.from_hlo(hlo, reduce_dtype=self.options.reduce_dtype, lowered_text=lowered.as_text())
 
-    def assert_replicas_identical(self, state: state_lib.TrainState) -> None:
-        """Raises ``AssertionError`` naming the leaf and the device or process where replicas differ.
+    def check_replicas(self, state: state_lib.TrainState) -> None:
+        """Raises ``ReplicaMismatchError`` naming the leaf, the devices and the processes where replicas of
+        ``state`` differ (a 64-bit checksum of every copy, on its device; see ``jddp.engine.replicas``).
 
-        In a run of several processes this is a collective: call it on every process.
+        A collective: call it on every process, at the same step (``jddp.fit`` does every
+        ``replica_check_every`` steps and before each checkpoint).
         """
-        dispatch.DISPATCHER.drain()
-        replicas.assert_identical(state)
-        replicas.assert_same_on_every_process(state, "state")
+        dispatch.DISPATCHER.drain()  # another program with collectives must not be in flight
+        with watchdog.waiting():
+            replicas.check_replicas(state, self.mesh)
+
+    def assert_replicas_identical(self, state: state_lib.TrainState) -> None:
+        """``check_replicas``, kept under its earlier name (``ReplicaMismatchError`` is an ``AssertionError``)."""
+        self.check_replicas(state)

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jddp import runtime
+from jddp.runtime import checksum
+
+DATA = runtime.DATA_AXIS
+
+
+class ReplicaMismatchError(AssertionError):
+    """Replicas of the training state that should be bit-identical are not (a host-specific code path, a device
+    or memory fault, a process that updated its state on its own)."""
 
 
 def put_replicated(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -112,3 +127,50 @@ def assert_same_on_every_process(tree, what: str = "state") -> None:
             f"{what}{paths[first]}. Every process must build the same model, and jddp broadcasts process 0's "
             "values in `DataParallel.init`; a difference afterwards means a process updated its state on its own."
         )
+
+
+def check_replicas(tree, mesh: Mesh) -> None:
+    """Compares a 64-bit checksum of every replica of every replicated leaf of ``tree``, on every device of
+    ``mesh`` (all processes: a collective, call it on every process).
+
+    Each device checksums its own copy (one program; every byte read once on its device), the checksums are
+    all-gathered, and every process compares the same table, so all of them raise or none does.
+
+    Raises:
+      ReplicaMismatchError: naming the first leaf whose replicas differ, the devices and processes that differ
+        from the majority, and how many agree.
+    """
+    with_paths = [(p, x) for p, x in jax.tree.leaves_with_path(tree) if isinstance(x, jax.Array)]
+    leaves = [x for _, x in with_paths if x.is_fully_replicated and x.size]
+    if not leaves:
+        return
+    table = np.asarray(_checksums(mesh, len(leaves))(*leaves))  # [devices, leaves, 2], replicated
+    paths = [jax.tree_util.keystr(p) for p, x in with_paths if x.is_fully_replicated and x.size]
+    devices = list(mesh.devices.flat)
+    for leaf in range(table.shape[1]):
+        rows = [tuple(r) for r in table[:, leaf]]
+        if len(set(rows)) == 1:
+            continue
+        majority = max(set(rows), key=rows.count)
+        odd = [i for i, r in enumerate(rows) if r != majority]
+        named = ", ".join(f"device {devices[i].id} (process {devices[i].process_index})" for i in odd)
+        raise ReplicaMismatchError(
+            f"Replicas differ at state{paths[leaf]}: {named} differ from the other {len(rows) - len(odd)} of "
+            f"{len(rows)} replicas. Replicas must stay bit-identical (every update is computed from the same "
+            "all-reduced gradient): a host-specific code path, a faulty device or memory, or a process that changed "
+            "its state on its own. Resume from the last checkpoint."
+        )
+
+
+@functools.lru_cache(maxsize=32)
+def _checksums(mesh: Mesh, count: int):
+    """The jitted per-device checksum program for ``count`` replicated leaves on ``mesh``."""
+
+    def per_device(*leaves):
+        # Each device holds its own copy of a replicated leaf; cast to varying so that the copies count as
+        # different values (an invariant value's all_gather could be formed without communication).
+        sums = jnp.stack([checksum.leaf_checksum(lax.pcast(x, DATA, to="varying")) for x in leaves])
+        return lax.all_gather(sums, DATA, to="invarying")
+
+    specs = (P(),) * count
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P()))
