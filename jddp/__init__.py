@@ -31,6 +31,7 @@ _EXPORTS = {
     "CommReport": "jddp.engine.comm",
     "DataParallel": "jddp.engine.parallel",
     "NonFiniteError": "jddp.engine.parallel",
+    "ReplicaMismatchError": "jddp.engine.replicas",
     "Metrics": "jddp.engine.metrics",
     "RunningMeans": "jddp.engine.metrics",
     "Weighted": "jddp.engine.reduce",
@@ -59,6 +60,7 @@ __all__ = [
     "Metrics",
     "NonFiniteError",
     "ProcessGroup",
+    "ReplicaMismatchError",
     "RunningMeans",
     "TrainState",
     "Weighted",
@@ -105,6 +107,7 @@ if TYPE_CHECKING:
     from jddp.engine.comm import CommReport
     from jddp.engine.metrics import Metrics, RunningMeans
     from jddp.engine.parallel import DataParallel, NonFiniteError
+    from jddp.engine.replicas import ReplicaMismatchError
     from jddp.engine.reduce import Weighted, masked_mean
     from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
     from jddp.loop import FitResult, fit
