@@ -107,8 +107,8 @@ if TYPE_CHECKING:
     from jddp.engine.comm import CommReport
     from jddp.engine.metrics import Metrics, RunningMeans
     from jddp.engine.parallel import DataParallel, NonFiniteError
-    from jddp.engine.replicas import ReplicaMismatchError
     from jddp.engine.reduce import Weighted, masked_mean
+    from jddp.engine.replicas import ReplicaMismatchError
     from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
     from jddp.loop import FitResult, fit
     from jddp.runtime import (
