@@ -102,7 +102,7 @@ class Checkpointer:
         self.directory = storage.resolve(directory)
         self.read_only = read_only
         self._lease: lease.Lease | None = None
-        self._closed = False
+        self._closed = self._closing = False
         if not read_only:
             storage.check_writable(self.directory, probe=jax.process_index() != 0 or storage.is_remote(self.directory))
             self._lease = lease.take(self.directory, float(lease_timeout_s))
@@ -162,7 +162,9 @@ class Checkpointer:
             EXTRA: ocp.JsonCheckpointHandler(),
             META: digest.MetaHandler(),
         }
-        return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
+        manager = ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
+        storage.finish_cleanup(manager)
+        return manager
 
     def all_steps(self) -> list[int]:
         """Steps with a published checkpoint, oldest first (read afresh from the directory when read-only)."""
@@ -297,7 +299,7 @@ class Checkpointer:
         except BaseException as error:
             failed = [s for s in self._unconfirmed if not (self.directory / str(s)).exists()]
             self._unconfirmed, self._last_saved = [], None
-            if jax.process_count() == 1:
+            if jax.process_count() == 1 and not self._closing:  # a closing one opens no manager it would not use
                 with contextlib.suppress(BaseException):
                     self._manager.close()
                 self._manager = self._open()
@@ -362,11 +364,13 @@ class Checkpointer:
             return
         if self._preemption is not None:
             self._preemption.close()
+        self._closing = True
         try:
             self.wait()
         finally:
             self._closed = True
-            self._manager.close()
+            with contextlib.suppress(Exception):  # a failed write's error is raised once, by the wait above
+                self._manager.close()
             if self._writer is not None:
                 self._writer.shutdown()
             self._give_back_lease()
