@@ -201,6 +201,8 @@ def test_a_config_error_happens_before_any_jax_import(tmp_path):
         # A `null:` key: OmegaConf's KeyValidationError before.
         ([], "null: 1\n", r"cannot be read as a config: Incompatible key type 'NoneType'\. Keys must be names"),
     ],
+    # Plain ids: mutmut passes test ids on a command line, where a newline or a regex in one breaks the run.
+    ids=["mapping-for-tuple-cli", "mapping-for-tuple-file", "missing-before-bad", "value-as-written", "null-key"],
 )
 def test_wrong_shapes_of_values_are_config_errors_naming_the_key(tmp_path, overrides, text, expected):
     path = write(tmp_path, text) if text is not None else None
