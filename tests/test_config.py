@@ -196,13 +196,21 @@ def test_a_config_error_happens_before_any_jax_import(tmp_path):
         ([], "model:\n  dims: {a: 1}\n", r"`model.dims` in .* model.dims=\{'a': 1\} \(dict\), expected tuple"),
         # A `???` (still to be given) before the bad value: the bad one is named, not the `???`.
         ([], "name: '???'\nmodel: 3\n", r"`model` in .* model=3 \(int\), expected Model"),
+        ([], "model:\n  hidden: '???'\n  dims: {a: 1}\n", r"`model.dims` in .* expected tuple"),
         # The value as written, not OmegaConf's node type (AnyNode).
         (["model.dims=3"], None, r"model.dims=3 \(int\), expected tuple\[int, \.\.\.\]"),
         # A `null:` key: OmegaConf's KeyValidationError before.
         ([], "null: 1\n", r"cannot be read as a config: Incompatible key type 'NoneType'\. Keys must be names"),
     ],
     # Plain ids: mutmut passes test ids on a command line, where a newline or a regex in one breaks the run.
-    ids=["mapping-for-tuple-cli", "mapping-for-tuple-file", "missing-before-bad", "value-as-written", "null-key"],
+    ids=[
+        "mapping-for-tuple-cli",
+        "mapping-for-tuple-file",
+        "missing-before-bad",
+        "nested-missing-before-bad",
+        "value-as-written",
+        "null-key",
+    ],
 )
 def test_wrong_shapes_of_values_are_config_errors_naming_the_key(tmp_path, overrides, text, expected):
     path = write(tmp_path, text) if text is not None else None
