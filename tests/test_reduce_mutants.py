@@ -54,7 +54,7 @@ def test_masked_mean_equals_the_numpy_reference(name):
     np.testing.assert_allclose(float(got), reference_mean(values, mask), rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])  # dtypes only: no array at import
 def test_masked_mean_keeps_the_dtype_of_half_precision_values(dtype):
     """The mean of bf16 or f16 values is bf16 or f16, whatever the mask's dtype: the mask follows the values."""
     values = np.array([1.0, 2.0, 4.0, 8.0], dtype)
@@ -114,14 +114,15 @@ HINT += re.escape("batch.get('mask'))`.") + "$"
 
 @pytest.mark.parametrize(
     ("value", "part", "shape"),
-    [
-        (jnp.ones(4), "value", (4,)),
-        (jddp.Weighted(jnp.ones(3), jnp.float32(3)), "value", (3,)),
-        (jddp.Weighted(jnp.float32(3), jnp.ones(2)), "weight", (2,)),
+    [  # built in the test, not here: an array made at import starts JAX's backend in mutmut's fork server
+        (lambda: jnp.ones(4), "value", (4,)),
+        (lambda: jddp.Weighted(jnp.ones(3), jnp.float32(3)), "value", (3,)),
+        (lambda: jddp.Weighted(jnp.float32(3), jnp.ones(2)), "weight", (2,)),
     ],
     ids=["mean", "weighted-total", "weighted-weight"],
 )
 def test_a_value_that_is_not_a_scalar_is_named_with_its_shape(value, part, shape):
+    value = value()
     expected = re.escape(f"but its {part} has shape={shape}. ")
     with pytest.raises(ValueError, match=rf"^The loss must be a scalar .*, {expected}{HINT}"):
         reduce.as_weighted(value, jnp.float32(4), "The loss")
