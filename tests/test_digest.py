@@ -55,6 +55,15 @@ def test_each_leaf_digest_equals_the_numpy_reference(name):
     assert digest.state_digests({"x": jnp.asarray(x)}) == [reference_digest(x)]
 
 
+@pytest.mark.parametrize("name", ["float32 of 3 rows", "int32", "bfloat16"])
+def test_leaf_digests_are_the_same_under_x64(name):
+    """With jax_enable_x64 (float64 users) the checksum's arithmetic must stay uint32: integers default to 64 bits
+    there, so a missing dtype would change every digest, and checkpoints written without x64 would look damaged."""
+    x = CASES[name]
+    with jax.enable_x64(True):
+        assert digest.state_digests({"x": jnp.asarray(x)}) == [reference_digest(x)]
+
+
 def test_a_typed_key_is_digested_through_its_key_data():
     key = jax.random.key(42)
     data = np.asarray(jax.random.key_data(key))

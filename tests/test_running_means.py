@@ -99,3 +99,31 @@ def test_extra_without_get_state_is_refused_before_anything_is_written(tmp_path)
         with pytest.raises(TypeError, match=r"`extra` must have get_state\(\) and set_state\(state\).*got int"):
             ckpt.restore_or_init(state, extra=3)
     jax.block_until_ready(state)
+
+
+def test_steps_without_real_examples_weigh_nothing_and_an_empty_window_is_zero():
+    means = RunningMeans()
+    assert means.compute() == {"examples": 0.0, "steps": 0}  # nothing added yet
+    means.add(Metrics(("loss", "examples"), jnp.array([7.0, 0.0])))  # a global batch of padding
+    assert means.compute() == {"loss": 0.0, "examples": 0.0, "steps": 1}
+    means.add(Metrics(("loss", "examples"), jnp.array([3.0, 1.0])))  # one real example
+    assert means.compute() == {"loss": 3.0, "examples": 1.0, "steps": 2}
+
+
+def test_nonfinite_is_reported_only_by_steps_that_report_it():
+    """A step of `nonfinite="ignore"` has no `nonfinite`: no step is left out and none is counted."""
+    ignored = RunningMeans()
+    ignored.add(Metrics(("loss", "examples"), jnp.array([2.0, 4.0])))
+    assert ignored.compute() == {"loss": 2.0, "examples": 4.0, "steps": 1}
+    guarded = RunningMeans()
+    guarded.add(Metrics(("loss", "examples", "nonfinite"), jnp.array([2.0, 4.0, 0.0])))
+    assert guarded.compute() == {"loss": 2.0, "examples": 4.0, "steps": 1, "nonfinite": 0}
+
+
+def test_the_state_keeps_the_last_step():
+    first = RunningMeans()
+    first.add(Metrics(("loss", "examples", "nonfinite"), jnp.array([2.0, 4.0, 0.0])))
+    again = RunningMeans()
+    again.set_state(first.get_state())
+    assert again.last == first.last == {"loss": 2.0, "examples": 4.0, "nonfinite": 0.0}
+    assert again.compute() == first.compute()
