@@ -174,7 +174,9 @@ def test_metrics_read_values_and_weights_of_an_eval_vector():
 
 def test_metrics_with_fewer_values_than_names_refuse_to_be_read():
     m = Metrics(("loss", "accuracy"), jnp.array([0.5]))
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match=r"^Metrics: 1 value\(s\) for the 2 names \['loss', 'accuracy'\]; build Metrics"
+    ):
         dict(m)
 
 
