@@ -192,3 +192,22 @@ def test_metrics_repr_shows_values_once_readable_and_names_before(mesh):
     assert repr(m) == "Metrics(['a', 'b', 'c', 'd', 'e', 'f', 'g', 'h'])"
     assert m["h"] == 1.75
     assert repr(m) == "Metrics(a=0, b=0.25, c=0.5, d=0.75, e=1, f=1.25, g=1.5, h=1.75)"
+
+
+def test_find_mask_finds_a_dataclass_batchs_mask():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: np.ndarray
+        mask: np.ndarray
+
+    mask = np.array([1.0, 0.0], np.float32)
+    assert reduce.find_mask(Batch(np.zeros(2), mask)) is mask
+    assert reduce.find_mask((np.zeros(2), mask)) is None  # a plain tuple has no named field
+
+
+def test_a_float64_weight_keeps_the_weighted_pair_in_float64():
+    with jax.enable_x64(True):
+        w = reduce.as_weighted(jddp.Weighted(jnp.float32(1.0), jnp.float64(3.0)), jnp.float32(2.0), "The loss")
+        assert w.total.dtype == jnp.float64 and w.weight.dtype == jnp.float64
