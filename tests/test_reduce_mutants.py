@@ -5,6 +5,7 @@ limit, and the Metrics mapping's reads, weights and repr."""
 from __future__ import annotations
 
 import re
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -174,9 +175,11 @@ def test_metrics_read_values_and_weights_of_an_eval_vector():
 
 def test_metrics_with_fewer_values_than_names_refuse_to_be_read():
     m = Metrics(("loss", "accuracy"), jnp.array([0.5]))
-    with pytest.raises(
-        ValueError, match=r"^Metrics: 1 value\(s\) for the 2 names \['loss', 'accuracy'\]; build Metrics"
-    ):
+    message = (
+        "Metrics: 1 value(s) for the 2 names ['loss', 'accuracy']; build Metrics from a vector with one value per "
+        "name (and, for eval_step's, one weight per mean after them)."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         dict(m)
 
 
@@ -205,6 +208,11 @@ def test_find_mask_finds_a_dataclass_batchs_mask():
     mask = np.array([1.0, 0.0], np.float32)
     assert reduce.find_mask(Batch(np.zeros(2), mask)) is mask
     assert reduce.find_mask((np.zeros(2), mask)) is None  # a plain tuple has no named field
+
+    class NoMask(typing.NamedTuple):
+        x: np.ndarray
+
+    assert reduce.find_mask(NoMask(np.zeros(2))) is None  # a NamedTuple without a mask: no mask, no error
 
 
 def test_a_float64_weight_keeps_the_weighted_pair_in_float64():
