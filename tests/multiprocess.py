@@ -29,24 +29,18 @@ def spawn_slurm(
     """Starts ``script`` as ``nprocs`` processes with the variables SLURM's ``srun`` sets (one node, 127.0.0.1),
     and no ``JDDP_*`` group variables: ``jddp.initialize`` finds the group as JAX's cluster detection does."""
     port = net.free_port()
-    procs = []
-    for i in range(nprocs):
-        env = environment(
-            SLURM_JOB_ID="4242",
-            SLURM_STEP_NODELIST="127.0.0.1",
-            SLURM_NTASKS=str(nprocs),
-            SLURM_PROCID=str(i),
-            SLURM_LOCALID=str(i),
-            JAX_COORDINATOR_PORT=str(port),
-            JDDP_LOCAL_DEVICES=str(devices_per_process),
-            **extra_env,
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    return procs
+
+    def slurm(i: int) -> dict[str, str]:
+        return {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SLURM_NTASKS": str(nprocs),
+            "SLURM_PROCID": str(i),
+            "SLURM_LOCALID": str(i),
+            "JAX_COORDINATOR_PORT": str(port),
+        }
+
+    return _start(script, args, [slurm(i) for i in range(nprocs)], devices_per_process, extra_env)
 
 
 def spawn(script: str, nprocs: int, devices_per_process: int, *args: str, **extra_env: str) -> list[subprocess.Popen]:
@@ -56,21 +50,25 @@ def spawn(script: str, nprocs: int, devices_per_process: int, *args: str, **extr
     ``JDDP_PROCESS_ID`` and ``JDDP_LOCAL_DEVICES``, as ``jddp launch`` would set them.
     """
     port = net.free_port()
-    procs = []
-    for i in range(nprocs):
-        env = environment(
-            JDDP_COORDINATOR=f"127.0.0.1:{port}",
-            JDDP_NUM_PROCESSES=str(nprocs),
-            JDDP_PROCESS_ID=str(i),
-            JDDP_LOCAL_DEVICES=str(devices_per_process),
-            **extra_env,
+    group = [
+        {"JDDP_COORDINATOR": f"127.0.0.1:{port}", "JDDP_NUM_PROCESSES": str(nprocs), "JDDP_PROCESS_ID": str(i)}
+        for i in range(nprocs)
+    ]
+    return _start(script, args, group, devices_per_process, extra_env)
+
+
+def _start(script: str, args, envs: list[dict[str, str]], devices: int, extra_env) -> list[subprocess.Popen]:
+    """One process of ``script`` per entry of ``envs`` (its group variables), output collected."""
+    return [
+        subprocess.Popen(
+            [sys.executable, script, *args],
+            env=environment(**env, JDDP_LOCAL_DEVICES=str(devices), **extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    return procs
+        for env in envs
+    ]
 
 
 def collect(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int | str], list[str]]:
