@@ -28,6 +28,9 @@ _EXPORTS = {
     "host_broadcast": "jddp.runtime.host",
     "EXIT_PEER_LOST": "jddp.exitcodes",
     "EXIT_PREEMPTED": "jddp.exitcodes",
+    "EXIT_STALLED": "jddp.exitcodes",
+    "heartbeat": "jddp.runtime.progress",
+    "phase": "jddp.runtime.progress",
     "CommReport": "jddp.engine.comm",
     "DataParallel": "jddp.engine.parallel",
     "NonFiniteError": "jddp.engine.parallel",
@@ -50,6 +53,7 @@ __all__ = [
     "DATA_AXIS",
     "EXIT_PEER_LOST",
     "EXIT_PREEMPTED",
+    "EXIT_STALLED",
     "CheckpointError",
     "CheckpointLeaseError",
     "CheckpointWarning",
@@ -71,6 +75,7 @@ __all__ = [
     "data",
     "data_mesh",
     "fit",
+    "heartbeat",
     "host_all_gather",
     "host_all_reduce",
     "host_broadcast",
@@ -78,6 +83,7 @@ __all__ = [
     "is_main_process",
     "masked_mean",
     "models",
+    "phase",
     "process_count",
     "process_index",
     "replicated",
@@ -109,7 +115,7 @@ if TYPE_CHECKING:
     from jddp.engine.parallel import DataParallel, NonFiniteError
     from jddp.engine.reduce import Weighted, masked_mean
     from jddp.engine.replicas import ReplicaMismatchError
-    from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
+    from jddp.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_STALLED
     from jddp.loop import FitResult, fit
     from jddp.runtime import (
         DATA_AXIS,
@@ -123,4 +129,5 @@ if TYPE_CHECKING:
     )
     from jddp.runtime.distributed import ProcessGroup, barrier, initialize
     from jddp.runtime.host import host_all_gather, host_all_reduce, host_broadcast
+    from jddp.runtime.progress import heartbeat, phase
     from jddp.runtime.state import TrainState

@@ -5,6 +5,10 @@ This module imports nothing, so the launcher can use it without JAX.
 * ``EXIT_PEER_LOST`` (69, ``EX_UNAVAILABLE``): this process stopped because
   another process of the group died, hung or failed. It is a consequence, not a
   cause: the launcher's summary names the process that failed first.
+* ``EXIT_STALLED`` (70): the group stopped making progress while alive (a
+  process stuck in its data loading, a loop of its own, a file system): every
+  process wrote a flight record and printed the process that is behind
+  (``jddp.runtime.progress``). The launcher restarts on it, as on any failure.
 * ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``): the run received SIGTERM, every
   process agreed on a step, the checkpoint of that step is complete, and the
   run stopped. Running the same command again resumes it. ``jddp launch`` does
@@ -20,6 +24,7 @@ from __future__ import annotations
 import signal
 
 EXIT_PEER_LOST = 69
+EXIT_STALLED = 70
 EXIT_PREEMPTED = 75
 
 
@@ -33,6 +38,8 @@ def describe(code: int) -> str:
         return "exited normally"
     if code == EXIT_PEER_LOST:
         return f"stopped after losing a peer (exit {code})"
+    if code == EXIT_STALLED:
+        return f"stopped: the group stalled (exit {code}; see the flight records)"
     if code == EXIT_PREEMPTED:
         return f"saved and stopped on preemption (exit {code})"
     signum = -code if code < 0 else code - 128 if 128 < code < 160 else None

@@ -52,6 +52,7 @@ from jddp import exitcodes, logs, validate
 from jddp.data import loader as loader_lib
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import parallel
+from jddp.runtime import progress
 from jddp.runtime import state as state_lib
 
 CONFIG_FILE = "config.yaml"
@@ -260,12 +261,15 @@ class _Run:
             with self.timed("checkpoint_s"):
                 state, _ = self.ckpt.restore_or_init(state, self.loader, extra=self.means)
         self.step = first = int(jax.device_get(state.step))
+        progress.set_step(first)
         self.announce(first, config_text)
         if self.skip_steps is not None and first > self.skip_steps[0] and not self.loader.sampler.skipped:
             self.say(
                 f"fit: skip_steps starts at step {self.skip_steps[0]}, before the restored step {first}: nothing is "
                 "skipped (resume from a checkpoint at or before that step to skip its data)"
             )
+        if log_dir is not None and progress.PROGRESS.settings.flight_dir is None:
+            progress.configure(flight_dir=log_dir)  # stall flight records beside the run's log
         if self.main:
             self.open_outputs(first, log_dir, config)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import time
 import warnings
@@ -27,8 +28,19 @@ from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, lease, preemption, restore, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
 from jddp.checkpoint.restore import DAMAGED_SUFFIX, EXTRA, LOADER, META, STATE
-from jddp.runtime import dispatch, distributed
+from jddp.runtime import dispatch, distributed, progress
 from jddp.runtime.state import TrainState
+
+
+def _in_checkpoint_phase(method):
+    """The stall detector gives a save or restore up to its ceiling (``jddp.runtime.progress``)."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with progress.phase("checkpoint"):
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class Checkpointer:
@@ -186,6 +198,7 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
 
+    @_in_checkpoint_phase
     def save(self, state: TrainState, loader=None, *, wait: bool = False, extra=None) -> int:
         """Saves ``state`` (and ``loader``'s position) now, at the state's step; returns the step.
 
@@ -384,6 +397,7 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- restoring
 
+    @_in_checkpoint_phase
     def restore_or_init(self, state: TrainState, loader=None, *, extra=None):
         """The newest loadable checkpoint restored into ``state``'s shardings, or ``state`` itself.
 
@@ -440,7 +454,7 @@ class Checkpointer:
                 f"Checkpoint step {step} in {self.directory} cannot be used ({reason}); {what} and trying the "
                 "previous one.",
                 CheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             if not self.read_only:
                 restore.set_aside(self.directory, step)
@@ -455,7 +469,7 @@ class Checkpointer:
                 f"No checkpoint in {self.directory} can be loaded ({listed}). {kept}; training starts again from "
                 f"the state passed in, at step {int(jax.device_get(state.step))}.",
                 CheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         self.stats["restore_s"] = time.perf_counter() - start
         if restored is None:
@@ -472,9 +486,10 @@ class Checkpointer:
                 "loader): the model, optimizer state and RNG are restored, and the loader starts from its "
                 "beginning. Pass the loader to save/maybe_save to save its position.",
                 CheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         self._step = self._last_saved = step
+        progress.set_step(step)
         return (new_state, loader) if loader is not None else new_state
 
 

@@ -62,7 +62,7 @@ def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
         )
         if not ckpt.allow_config_change:
             raise ValueError(message)
-        warnings.warn(message, CheckpointWarning, stacklevel=4)
+        warnings.warn(message, CheckpointWarning, stacklevel=5)
 
 
 def try_restore(

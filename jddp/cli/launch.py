@@ -439,7 +439,12 @@ class _Launcher:
             return exitcodes.describe(w.code)
 
         lines = [f"process {w.process_id} (pid {w.popen.pid}): {describe(w)}" for w in self.workers]
-        if first_failed is not None:
+        if first_failed is not None and first_failed.code == exitcodes.EXIT_STALLED:
+            lines.append(
+                "the group stalled: each process's last line above names the process that was behind and where, "
+                "and each wrote a flight record (jddp.runtime.progress)"
+            )
+        elif first_failed is not None:
             lines.append(f"first failure: process {first_failed.process_id}, {describe(first_failed)}")
         return "\n  ".join(["summary:", *lines])
 

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime, validate
 from jddp.data import sampler as sampler_lib
-from jddp.runtime import dispatch, distributed, host, packing, watchdog
+from jddp.runtime import dispatch, distributed, host, packing, progress, watchdog
 
 Example = dict[str, np.ndarray]
 Transform = Callable[[Example, np.random.Generator], Example]
@@ -469,8 +469,9 @@ class DataLoader:
             self._agree()
         end = (self.sampler.epoch + 1) * len(self.sampler)
         while self.sampler.position < end:
-            data, layout = self._next_local()
-            batch = packing.PackedBatch(self._transfer(data), layout)
+            with progress.phase("data"):
+                data, layout = self._next_local()
+                batch = packing.PackedBatch(self._transfer(data), layout)
             self.sampler.position += 1  # consumed once handed out: a save now resumes after it
             yield batch
 

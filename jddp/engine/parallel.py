@@ -18,7 +18,7 @@ from jddp import typing as jt
 from jddp.engine import checks, comm, fused, replicas
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
-from jddp.runtime import dispatch, distributed, watchdog
+from jddp.runtime import dispatch, distributed, progress, watchdog
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
@@ -223,14 +223,17 @@ class DataParallel:
         if step_lib.leading_size(batch) == 0:
             return self._empty_step(state)
         dispatch.DISPATCHER.before(self._step, self.options.max_inflight)
+        number = progress.PROGRESS.step
         with (
+            progress.phase("compile" if dispatch.DISPATCHER.first_call(self._step) else "step"),
             watchdog.waiting(),  # on CPU the call may run the program, and its collectives, before it returns
             checks.user_code(
                 self.loss_fn, "DataParallel.step", batch, state.params, self.num_devices, self.options.accumulate_steps
             ),
         ):
             (step, params, opt_state, model_state), packed = self._step(*self._args(state, batch))
-        dispatch.DISPATCHER.after(packed)
+        dispatch.DISPATCHER.after(packed, f"train step {number}")
+        progress.heartbeat(number + 1)
         state = state_lib.TrainState(step, params, opt_state, model_state, state.rng)
         metrics = metrics_lib.Metrics(self._device.names["step"], packed)
         if self.options.nonfinite == "raise" and metrics["nonfinite"]:
@@ -252,6 +255,7 @@ class DataParallel:
         packed = jax.device_put(np.zeros(len(names), np.float32), self._rep)
         step = jax.jit(lambda s: s + 1, out_shardings=self._rep)(state.step)
         new_state = state_lib.TrainState(step, state.params, state.opt_state, state.model_state, state.rng)
+        progress.heartbeat(progress.PROGRESS.step + 1)
         return new_state, metrics_lib.Metrics(names, packed)
 
     def eval_step(self, state: state_lib.TrainState, batch: jt.Batch) -> metrics_lib.Metrics:
@@ -271,9 +275,14 @@ class DataParallel:
             return metrics_lib.Metrics(names, packed)
         dispatch.DISPATCHER.before(self._eval, self.options.max_inflight)
         fn = self.eval_fn or self.loss_fn
-        with watchdog.waiting(), checks.user_code(fn, "DataParallel.eval_step", batch, state.params, self.num_devices):
+        with (
+            progress.phase("compile" if dispatch.DISPATCHER.first_call(self._eval) else "eval"),
+            watchdog.waiting(),
+            checks.user_code(fn, "DataParallel.eval_step", batch, state.params, self.num_devices),
+        ):
             packed = self._eval(*self._args(state, batch))
-        dispatch.DISPATCHER.after(packed)
+        dispatch.DISPATCHER.after(packed, "eval step")
+        progress.heartbeat()
         return metrics_lib.Metrics(self._device.names["eval"], packed)
 
     def evaluate(self, state: state_lib.TrainState, batches: Iterable[jt.Batch]) -> dict[str, float]:

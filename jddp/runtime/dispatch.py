@@ -24,15 +24,16 @@ from typing import Any
 
 import jax
 
-from jddp.runtime import watchdog
+from jddp.runtime import progress, watchdog
 
 
 class Dispatcher:
     """Tracks pending outputs of compiled programs; see the module docstring."""
 
     def __init__(self) -> None:
-        self._pending: collections.deque[Any] = collections.deque()
+        self._pending: collections.deque[tuple[Any, str]] = collections.deque()
         self._program: object | None = None
+        self._ran: set[int] = set()  # ids of the programs called before (a first call compiles)
 
     def before(self, program: object, max_inflight: int) -> None:
         """Waits as needed before ``program`` is dispatched."""
@@ -40,18 +41,35 @@ class Dispatcher:
             self.drain()
             self._program = program
         while len(self._pending) >= max_inflight:
-            with watchdog.waiting():
-                jax.block_until_ready(self._pending.popleft())
+            self._wait_oldest()
 
-    def after(self, outputs: Any) -> None:
-        """Records ``outputs`` (never donated later) of the call just dispatched."""
-        self._pending.append(outputs)
+    def first_call(self, program: object) -> bool:
+        """True the first time ``program`` is called (its call compiles it), then False."""
+        if id(program) in self._ran:
+            return False
+        self._ran.add(id(program))
+        return True
+
+    def after(self, outputs: Any, label: str = "program") -> None:
+        """Records ``outputs`` (never donated later) of the call just dispatched, named ``label`` in flight
+        records."""
+        self._pending.append((outputs, label))
+        progress.PROGRESS.pending = [name for _, name in self._pending]
 
     def drain(self) -> None:
         """Waits for every pending output."""
         while self._pending:
-            with watchdog.waiting():
-                jax.block_until_ready(self._pending.popleft())
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        outputs, label = self._pending[0]
+        with watchdog.waiting():
+            jax.block_until_ready(outputs)
+        self._pending.popleft()
+        p = progress.PROGRESS
+        p.programs += 1
+        p.last_done = label
+        p.pending = [name for _, name in self._pending]
 
 
 DISPATCHER = Dispatcher()

@@ -43,7 +43,7 @@ import time
 
 from jddp import net
 from jddp.runtime import coordinator as coordinator_lib
-from jddp.runtime import jax_internals, mesh, watchdog
+from jddp.runtime import jax_internals, mesh, progress, watchdog
 
 ENV_COORDINATOR = "JDDP_COORDINATOR"
 ENV_NUM_PROCESSES = "JDDP_NUM_PROCESSES"
@@ -252,6 +252,7 @@ def initialize(
     settings = _Settings.resolve(
         coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind_address
     )
+    stall = progress.Settings.from_env()  # bad JDDP_STALL_* values raise here, before anything starts
     if settings.single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
         if settings.local_devices is not None:
             mesh.simulate_cpu_devices(settings.local_devices)
@@ -262,6 +263,7 @@ def initialize(
 
     _group = ProcessGroup(coordinator, jax.process_count(), jax.process_index(), settings.peer_timeout_s)
     client = jax_internals.distributed_client()
+    progress.PROGRESS.settings = stall
     watchdog.start(client, _group.process_id, _group.num_processes, coordinator, settings.peer_timeout_s)
     if verbose:
         print(

@@ -57,14 +57,30 @@ import threading
 import time
 
 from jddp import exitcodes
-from jddp.runtime import jax_internals
+from jddp.runtime import jax_internals, progress
 
 ALIVE_PREFIX = "jddp/alive/"
 DONE = "done"
 FAILED = "failed"
 LOST = "lost"  # ended with EXIT_PEER_LOST
+STALLED = "stalled"  # ended with EXIT_STALLED
+ENDED = (DONE, FAILED, LOST, STALLED)
+STALL_KEY = f"{ALIVE_PREFIX}stall"  # the verdict: JSON, set by the first watchdog that sees the group stalled
+WHERE_PREFIX = "jddp/where/"  # after a stall: each process's main-thread frame
 
 _watchdog: Watchdog | None = None
+
+
+def _entries(entries) -> tuple[dict[int, str], str | None]:
+    """The heartbeat values by process, and the stall verdict if one was published."""
+    values, verdict = {}, None
+    for key, value in entries:
+        name = key.rsplit("/", 1)[1]
+        if name.isdigit():
+            values[int(name)] = value
+        elif key == STALL_KEY:
+            verdict = value
+    return values, verdict
 
 
 def start(client, process_id: int, num_processes: int, coordinator: str | None, peer_timeout_s: float) -> Watchdog:
@@ -122,10 +138,14 @@ class Watchdog(threading.Thread):
         last_change = dict.fromkeys(peers, time.monotonic())
         last_round = time.monotonic()
         counter = 0
+        everyone = range(self.num_processes)
+        last_ticks: dict[int, int | None] = dict.fromkeys(everyone)
+        last_tick_seen = dict.fromkeys(everyone, time.monotonic())
         while not self.stopped.wait(self.interval):
             counter += 1
             try:
-                self.call(self.client.key_value_set, self.key, self.state or str(counter), allow_overwrite=True)
+                value = self.state or progress.publish(counter, self.waiting_since is not None)
+                self.call(self.client.key_value_set, self.key, value, allow_overwrite=True)
                 entries = self.call(self.client.key_value_dir_get, ALIVE_PREFIX)
             except Exception as error:
                 if (
@@ -141,7 +161,10 @@ class Watchdog(threading.Thread):
             now = time.monotonic()
             starved = now - last_round > self.peer_timeout_s / 2
             last_round = now
-            values = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
+            values, verdict = _entries(entries)
+            if verdict is not None and self.state is None:
+                self._stalled(verdict, values)
+                return
             reason = None
             for p in peers:
                 value = values.get(p)
@@ -170,6 +193,93 @@ class Watchdog(threading.Thread):
             if reason is not None:
                 self._end(reason, shutdown=shutdown)
                 return
+            if self.state is None and progress.PROGRESS.settings.enabled:
+                seen = {p: progress.Seen.parse(values.get(p)) for p in everyone}
+                for p, s in seen.items():
+                    if s is not None and (s.ticks != last_ticks[p] or starved):
+                        last_ticks[p], last_tick_seen[p] = s.ticks, now
+                verdict = self._judge(seen, now - max(last_tick_seen.values()))
+                if verdict is not None:
+                    with contextlib.suppress(Exception):
+                        self.call(self.client.key_value_set, STALL_KEY, verdict, allow_overwrite=True)
+                    self._stalled(verdict, values)
+                    return
+
+    def _judge(self, seen: dict[int, progress.Seen | None], quiet_s: float) -> str | None:
+        """The stall verdict (JSON) when some process waits for its peers and no process has ticked for longer
+        than the group's bound; else None. Only while every process runs (an ended one is the exit hooks' case)."""
+        if any(s is None for s in seen.values()):
+            return None
+        running: dict[int, progress.Seen] = {p: s for p, s in seen.items() if s is not None}
+        if not any(s.waiting for s in running.values()):
+            return None  # nobody waits for anybody: long work of the script's own is not a stall
+        bound = progress.group_bound(running, progress.PROGRESS.settings.ceiling_s)
+        if quiet_s <= bound:
+            return None
+        import json
+
+        return json.dumps(
+            {
+                "detector": self.process_id,
+                "quiet_s": round(quiet_s, 1),
+                "bound_s": round(bound, 1),
+                "behind": progress.behind(running),
+                "group": {str(p): s.describe() for p, s in sorted(running.items())},
+            }
+        )
+
+    def _stalled(self, verdict_text: str, values: dict[int, str]) -> None:
+        """The group stalled: write this process's flight record, say who is behind and where, exit 70."""
+        import json
+
+        self.state = STALLED
+        try:
+            verdict = json.loads(verdict_text)
+        except ValueError:
+            verdict = {"detector": "?", "quiet_s": 0, "bound_s": 0, "behind": [], "group": {}}
+        behind = [int(p) for p in verdict.get("behind", [])]
+        seen = {p: s for p, s in ((p, progress.Seen.parse(v)) for p, v in values.items()) if s is not None}
+        own = progress.Seen.parse(progress.publish(0, self.waiting_since is not None))
+        if own is not None:
+            seen[self.process_id] = own
+        reason = (
+            f"the group stalled: no process made progress for {verdict['quiet_s']:g} s (bound {verdict['bound_s']:g} "
+            f"s, learned from the step times), seen by process {verdict['detector']}"
+        )
+        where = progress.stalled_frame()
+        path = progress.write_flight_record(
+            self.process_id, f"{reason}; this process is at {where}", seen, verdict.get("group", {})
+        )
+        with contextlib.suppress(Exception):
+            key = f"{WHERE_PREFIX}{self.process_id}"
+            self.call(self.client.key_value_set, key, where, allow_overwrite=True, timeout_s=2.0)
+        with contextlib.suppress(Exception):
+            self.call(self.client.key_value_set, self.key, STALLED, allow_overwrite=True, timeout_s=2.0)
+        # Wait briefly until every process has written its record and said where it is (their watchdogs see the
+        # verdict within a round): an early exit would break the others' collectives before they have.
+        places: dict[int, str] = {}
+        peers = set(range(self.num_processes)) - {self.process_id}
+        deadline = time.monotonic() + 3 * self.interval + 1.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                places = {
+                    int(k.rsplit("/", 1)[1]): v
+                    for k, v in self.call(self.client.key_value_dir_get, WHERE_PREFIX, timeout_s=2.0)
+                }
+                values, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
+                if all(values.get(p) in ENDED for p in peers) and all(p in places for p in behind):
+                    break
+            time.sleep(self.interval / 4)
+        group = verdict.get("group", {})
+        who = "; ".join(
+            f"process {p} ({group.get(str(p), 'state unknown')}) at {places.get(p, 'an unknown place')}" for p in behind
+        )
+        records = f"flight record {path}" if path is not None else "no flight record (see above)"
+        self._fail(
+            f"stopped: {reason}. Behind: {who}. This process: {where}; {records}",
+            code=exitcodes.EXIT_STALLED,
+            mark=STALLED,
+        )
 
     def _end(self, reason: str, *, shutdown: bool = False) -> None:
         """A running process exits with 69; one that is exiting already (DONE) stops waiting for its peers."""
@@ -177,19 +287,18 @@ class Watchdog(threading.Thread):
             self._fail(reason, shutdown=shutdown)
         self.peers_gone = reason
 
-    def _fail(self, reason: str, *, shutdown: bool = False) -> None:
+    def _fail(
+        self, reason: str, *, shutdown: bool = False, code: int = exitcodes.EXIT_PEER_LOST, mark: str = LOST
+    ) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:
                 pass
-        message = (
-            f"jddp: process {self.process_id} of {self.num_processes} {reason}; "
-            f"exiting with code {exitcodes.EXIT_PEER_LOST}.\n"
-        )
+        message = f"jddp: process {self.process_id} of {self.num_processes} {reason}; exiting with code {code}.\n"
         os.write(2, message.encode())
         with contextlib.suppress(Exception):  # tell the peers, briefly: the coordinator may be what was lost
-            self.call(self.client.key_value_set, self.key, LOST, allow_overwrite=True, timeout_s=2.0)
+            self.call(self.client.key_value_set, self.key, mark, allow_overwrite=True, timeout_s=2.0)
         if self.process_id == 0 and not shutdown:
             self.linger()
         if shutdown:
@@ -198,7 +307,7 @@ class Watchdog(threading.Thread):
             # and JAX would abort them (exit 134) instead of letting them exit with their own code.
             with contextlib.suppress(Exception):
                 self.call(self.client.shutdown, timeout_s=min(10.0, self.peer_timeout_s))
-        os._exit(exitcodes.EXIT_PEER_LOST)
+        os._exit(code)
 
     def linger(self, limit_s: float | None = None) -> None:
         """Process 0 hosts the coordination service: its exit makes JAX abort every other process (exit 134). So
@@ -208,13 +317,10 @@ class Watchdog(threading.Thread):
         peers = set(range(self.num_processes)) - {self.process_id}
         while time.monotonic() < deadline:
             try:
-                values = {
-                    int(k.rsplit("/", 1)[1]): v
-                    for k, v in self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0)
-                }
+                values, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
             except Exception:
                 return
-            if all(values.get(p) in (DONE, FAILED, LOST) for p in peers):
+            if all(values.get(p) in ENDED for p in peers):
                 time.sleep(self.interval)  # time for their exit to get past JAX's client
                 return
             time.sleep(self.interval / 2)
@@ -244,8 +350,12 @@ def _install_exit_hooks() -> None:
     previous_hook = sys.excepthook
 
     def excepthook(kind, value, traceback):
-        previous_hook(kind, value, traceback)
         watchdog = _watchdog
+        if watchdog is not None and watchdog.state == STALLED and _is_collective_failure(value):
+            # A peer that stalled with this one exited first: its watchdog ends this process in a moment, and
+            # the broken collective is a consequence, not news.
+            time.sleep(watchdog.peer_timeout_s)
+        previous_hook(kind, value, traceback)
         if watchdog is None or issubclass(kind, KeyboardInterrupt):
             return
         if _is_collective_failure(value):
@@ -289,11 +399,10 @@ def _at_exit() -> None:
     peers = set(range(watchdog.num_processes)) - {watchdog.process_id}
     while watchdog.peers_gone is None:
         try:
-            entries = watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX)
-            values = {int(k.rsplit("/", 1)[1]): v for k, v in entries}
+            values, _ = _entries(watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX))
         except Exception:
             break  # the coordinator is gone: nothing left to wait for
-        if all(values.get(p) in (DONE, FAILED, LOST) for p in peers):
+        if all(values.get(p) in ENDED for p in peers):
             break
         time.sleep(watchdog.interval)
     watchdog.stopped.set()
