@@ -23,17 +23,19 @@ class RunLog:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.dir = log_dir
         self.path = log_dir / METRICS_FILE
-        self.seen = {(r["step"], r["split"]) for r in keep_until(self.path, first)}
+        self.seen = {(r["step"], r["split"], r.get("attempt")) for r in keep_until(self.path, first)}
         self.file = open(self.path, "a")  # closed in close()
         self.tb = summary_writer(log_dir, purge_step=first + 1)
 
     def write(self, rec: dict) -> None:
-        key = (rec["step"], rec["split"])
+        key = (rec["step"], rec["split"], rec.get("attempt"))
         if key in self.seen:  # e.g. the final evaluation of a run resumed after its end
             return
         self.seen.add(key)
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
+        if rec["split"].startswith("goodput"):
+            return  # an account of wall time, not a curve
         for name, value in rec.items():
             if name not in ("step", "epoch", "split"):
                 self.tb.add_scalar(f"{rec['split']}/{name}", value, rec["step"])
@@ -100,11 +102,13 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def keep_until(path: Path, step: int) -> list[dict]:
-    """Drops the records after ``step`` (and a line cut by a kill) from ``path``, atomically; returns the rest."""
+    """Drops the records after ``step`` (and a line cut by a kill) from ``path``, atomically; returns the rest.
+    ``goodput`` records (``jddp.goodput``) are kept whatever their step."""
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
-    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    # goodput records stay: they account for time spent, whatever happened to the steps
+    kept = [r for r in read_metrics(path) if r["step"] <= step or str(r.get("split", "")).startswith("goodput")]
     if len(kept) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))

@@ -48,7 +48,7 @@ import jax
 
 from jddp import checkpoint as checkpoint_lib
 from jddp import config as config_lib
-from jddp import exitcodes, logs, validate
+from jddp import exitcodes, goodput, logs, validate
 from jddp.data import loader as loader_lib
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import parallel
@@ -59,7 +59,7 @@ CONFIG_FILE = "config.yaml"
 # Steps between replica checks in fit: a check reads the state once on every device (about one optimizer update's
 # memory traffic), so every 100 steps costs well under 1% of the step time (benchmarks/replica_check.py).
 REPLICA_CHECK_EVERY = 100
-TIMES = ("compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")
+TIMES = ("restore_s", "compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +244,8 @@ class _Run:
         self.epoch, self.window = self.means.epoch, self.means.window
         self.log: logs.RunLog | None = None
         self.bar = None
+        self.ledger: goodput.Ledger | None = None
+        self.goodput: goodput.Total | None = None
         self.skip_steps: tuple[int, int] | None = None
         self.replica_check_every: int | None = None
 
@@ -257,10 +259,14 @@ class _Run:
 
     def __call__(self, state, log_dir: Path | None, config, config_text: str | None) -> FitResult:
         start = time.perf_counter()
+        if self.main and log_dir is not None:
+            self.ledger = goodput.Ledger(log_dir, 0)
         if self.ckpt is not None:
-            with self.timed("checkpoint_s"):
+            with self.timed("restore_s"):
                 state, _ = self.ckpt.restore_or_init(state, self.loader, extra=self.means)
         self.step = first = int(jax.device_get(state.step))
+        if self.ledger is not None:
+            self.ledger.start_at(first)
         progress.set_step(first)
         self.announce(first, config_text)
         if self.skip_steps is not None and first > self.skip_steps[0] and not self.loader.sampler.skipped:
@@ -280,6 +286,9 @@ class _Run:
                 with self.timed("checkpoint_s"):
                     self.ckpt.save(state, self.loader, extra=self.means)
                     self.ckpt.close()
+            if self.ledger is not None:
+                self.ledger.finish(self.step, self.steps_run, self.times)
+                self.account_attempts(own=True)
         except SystemExit as stop:
             if stop.code == exitcodes.EXIT_PREEMPTED:
                 self.say(f"fit: preempted; saved step {self.step}, exiting with {stop.code}. Run again to resume.")
@@ -302,6 +311,7 @@ class _Run:
     def open_outputs(self, first: int, log_dir: Path | None, config) -> None:
         """Process 0: the log files (cut back to step ``first``), config.yaml files, the progress bar."""
         self.log = logs.RunLog(log_dir, first) if log_dir is not None else None
+        self.account_attempts(own=False)
         for directory in (log_dir, self.ckpt and self.ckpt.directory):
             if directory is not None and config is not None:
                 config_lib.save(config, Path(directory) / CONFIG_FILE)
@@ -309,6 +319,26 @@ class _Run:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.total, initial=min(first, self.total), unit="step", dynamic_ncols=True)
+
+    def account_attempts(self, *, own: bool) -> None:
+        """Process 0: the accounts of the earlier attempts not written yet (at the start), or this attempt's own
+        and the run's total (at the end), as ``goodput`` records (``jddp.goodput``)."""
+        if self.ledger is None or self.log is None:
+            return
+        if not own:
+            for path, account in self.ledger.open_accounts():
+                self.record("goodput", account, history=False)
+                goodput.close(path)
+            return
+        account = goodput.account(
+            goodput.read(self.ledger.path), self.ledger.index, next_start=None, next_first_step=None
+        )
+        self.record("goodput", account, history=False)
+        goodput.close(self.ledger.path)
+        total = goodput.Total.of(goodput.run_records(self.log.dir))
+        self.record("goodput_total", total.record(), history=False)
+        self.goodput = total
+        self.say(f"fit: {total.line()}")
 
     def announce(self, first: int, config_text: str | None) -> None:
         mesh = ", ".join(f"{k}={v}" for k, v in self.dp.mesh.shape.items())
@@ -369,6 +399,8 @@ class _Run:
             self.times["step_s"] += time.perf_counter() - start
         self.step += 1
         self.steps_run += 1
+        if self.ledger is not None:
+            self.ledger.update(self.step, self.steps_run, self.times)
         if self.bar is not None:
             self.bar.update(1)
         self.window.add(metrics)
@@ -416,10 +448,11 @@ class _Run:
         self.record("eval", self.final_eval)
         self.say(f"step {self.step} eval: " + " ".join(f"{k}={v:.5g}" for k, v in self.final_eval.items()))
 
-    def record(self, split: str, metrics: dict[str, float]) -> None:
+    def record(self, split: str, metrics: dict[str, float], *, history: bool = True) -> None:
         epoch = round(self.loader.sampler.position / len(self.loader), 6)
         rec = {"step": self.step, "epoch": epoch, "split": split, **metrics}
-        self.history.append(rec)
+        if history:  # the same on every process
+            self.history.append(rec)
         if self.log is not None:
             self.log.write(rec)
 
@@ -433,4 +466,6 @@ class _Run:
             "wall_s": wall,
             "examples_per_s": after_first / busy if after_first and busy > 0 else 0.0,
             **t,
+            # process 0 with a log_dir: the run's goodput over all its attempts (jddp.goodput)
+            **({"goodput": self.goodput.goodput, "run_wall_s": self.goodput.wall_s} if self.goodput else {}),
         }

@@ -82,9 +82,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import FrameType
@@ -92,6 +94,7 @@ from types import FrameType
 from jddp import exitcodes, net
 from jddp.cli import output
 
+STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
 DEFAULT_PEER_TIMEOUT_S = 30.0  # jddp.runtime.distributed.DEFAULT_PEER_TIMEOUT_S (this module imports no JAX)
 ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # the pipe for Python's stdout (jddp.runtime.distributed.ENV_STDOUT_FD)
 ENV_COORDINATOR_HOSTED = "JDDP_COORDINATOR_HOSTED"  # jddp.runtime.distributed.ENV_COORDINATOR_HOSTED
@@ -275,6 +278,9 @@ class _Launcher:
         self.workers: list[_Worker] = []
         self.service: subprocess.Popen[bytes] | None = None
         self.probed_at, self.service_answered, self.service_silent_since = 0.0, False, None
+        self.attempt_start = self.run_start = STARTED
+        self.previous_end: float | None = None
+        self.note_dir = tempfile.mkdtemp(prefix="jddp-launch-")  # JDDP_LEDGER_NOTE: where fit's ledger is
 
     # -- the coordination service (node 0 only) -------------------------------
     def start_service(self, coordinator: str) -> None:
@@ -325,6 +331,8 @@ class _Launcher:
     # -- processes ----------------------------------------------------------
     def start(self, attempt: int) -> None:
         c = self.config
+        # the goodput ledger's start of this attempt (JDDP_ATTEMPT_START); the first one starts with the launcher
+        self.attempt_start = STARTED if attempt == 0 else time.time()
         coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
         if c.node_rank == 0:
             self.start_service(coordinator)
@@ -338,6 +346,13 @@ class _Launcher:
     def start_one(self, local_rank: int, coordinator: str, attempt: int) -> _Worker:
         env = environment(self.config, local_rank, coordinator, attempt)
         env[ENV_COORDINATOR_HOSTED] = "1"  # node 0's launcher runs it (start_service)
+        # For the goodput ledger (jddp.goodput): when this attempt and the run began, and when the group of the
+        # previous attempt had ended (the time between is downtime).
+        env["JDDP_ATTEMPT_START"] = f"{self.attempt_start:.6f}"
+        env["JDDP_RUN_START"] = f"{self.run_start:.6f}"
+        if self.previous_end is not None:
+            env["JDDP_PREVIOUS_END"] = f"{self.previous_end:.6f}"
+        env["JDDP_LEDGER_NOTE"] = os.path.join(self.note_dir, "ledger")
         # Python's stdout gets a pipe of its own (jddp.initialize() moves sys.stdout there), apart from fd 1,
         # where C++ (gloo) writes: see jddp.cli.output.
         python_read, python_write = os.pipe()
@@ -482,6 +497,7 @@ class _Launcher:
             return outcome, first_failed
         finally:
             self.stop_service()
+            self.previous_end = time.time()
 
     def linger(self) -> None:
         """After a failure of this node's own, keeps the service up while the other nodes' processes find it by
@@ -588,6 +604,10 @@ class _Launcher:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            from jddp import goodput  # no JAX, no NumPy
+
+            goodput.mark_teardown(os.path.join(self.note_dir, "ledger"))
+            shutil.rmtree(self.note_dir, ignore_errors=True)
 
 
 def launch(config: LaunchConfig) -> int:

@@ -1,4 +1,4 @@
-"""The ``jddp`` command: ``jddp --version``, ``jddp info``, ``jddp launch``, ``jddp bench``.
+"""The ``jddp`` command: ``jddp --version``, ``jddp info``, ``jddp launch``, ``jddp bench``, ``jddp goodput``.
 
 Subcommands import JAX only when they run, so that ``jddp launch`` (the parent
 of the worker processes) never starts a JAX backend.
@@ -22,6 +22,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "launch", help="run a script as several processes; restart on failure (`jddp launch --help`)", add_help=False
+    )
+    sub.add_parser(
+        "goodput", help="where a fit run's wall time went, across restarts (`jddp goodput RUN_DIR`)", add_help=False
     )
     sub.add_parser(
         "bench",
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from jddp.cli import launch
 
         return launch.main(argv[1:])
+    if argv[:1] == ["goodput"]:
+        from jddp import goodput
+
+        return goodput.main(argv[1:])
     if argv[:1] == ["bench"]:
         from jddp.cli import bench
 

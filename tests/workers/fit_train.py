@@ -5,7 +5,9 @@
 OUT gets the checkpoints (OUT/ckpt), the logs (OUT/log, or OUT/log<process>
 with PER_PROCESS_LOG=1), each process's history (OUT/history<process>.json) and
 process 0's final parameters (OUT/final.npz). KILL_AT=k: after step k's
-``maybe_save`` (and the saves in flight are published), SIGKILL this process.
+``maybe_save`` (and the saves in flight are published), SIGKILL this process; KILL_AT=k0,k1,...: at k0 in the
+first attempt, k1 in the second (JDDP_RESTART_COUNT), the last one for the attempts after. Each process appends
+"<attempt> <step>" to OUT/steps<process>.txt for every step it takes (at its ``maybe_save``).
 TERM_AT=k: SIGTERM this process just before step k's ``maybe_save`` (a
 preemption: the save is at step k, then exit 75).
 """
@@ -28,8 +30,11 @@ import optax  # noqa: E402
 from jddp.loop import fit  # noqa: E402
 
 out, steps = sys.argv[1], int(sys.argv[2])
-kill_at, term_at = int(os.environ.get("KILL_AT", "-1")), int(os.environ.get("TERM_AT", "-1"))
 rank = jax.process_index()
+attempt = int(os.environ.get("JDDP_RESTART_COUNT", "0"))
+kills = [int(k) for k in os.environ.get("KILL_AT", "-1").split(",")]  # one per attempt; the last for the rest
+kill_at, term_at = kills[min(attempt, len(kills) - 1)], int(os.environ.get("TERM_AT", "-1"))
+steps_taken = open(os.path.join(out, f"steps{rank}.txt"), "a")  # every step this process took, by attempt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,8 @@ class Interrupted(jddp.Checkpointer):
 
     def maybe_save(self, state, loader=None, *, extra=None):
         step = int(jax.device_get(state.step))
+        steps_taken.write(f"{attempt} {step}\n")
+        steps_taken.flush()
         if step == term_at:
             os.kill(os.getpid(), signal.SIGTERM)
         saved = super().maybe_save(state, loader, extra=extra)

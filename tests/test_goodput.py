@@ -1,0 +1,170 @@
+"""The goodput ledger (jddp.goodput): every attempt's wall time accounted for, across SIGKILLs and restarts."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from jddp import goodput, logs
+from tests import multiprocess
+
+FIT_TRAIN = str(multiprocess.WORKERS / "fit_train.py")
+
+
+@pytest.mark.multiprocess
+def test_a_run_killed_twice_accounts_for_its_wall_time_and_the_steps_it_redid(tmp_path):
+    start = time.time()
+    done = multiprocess.launch(
+        "-n", "2", "--max-restarts", "2", "--peer-timeout", "10", FIT_TRAIN, str(tmp_path), "30",
+        env={"KILL_AT": "10,17,-1"}, timeout=400,
+    )  # fmt: skip
+    wall = time.time() - start
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.count("restarting the group") == 2
+
+    records = logs.read_metrics(tmp_path / "log" / logs.METRICS_FILE)
+    accounts = [r for r in records if r["split"] == "goodput"]
+    (total,) = [r for r in records if r["split"] == "goodput_total"]
+    assert [a["attempt"] for a in accounts] == [0, 1, 2]
+    assert [a["finished"] for a in accounts] == [0, 0, 1]
+    assert [(a["first_step"], a["last_step"]) for a in accounts] == [(0, 10), (8, 17), (16, 30)]
+
+    # The steps redone, recorded independently by the worker (every step process 0 took, by attempt): a step
+    # taken in two attempts was recomputed.
+    taken = [tuple(map(int, line.split())) for line in (tmp_path / "steps0.txt").read_text().splitlines()]
+    redone = sum(n - 1 for n in Counter(step for _, step in taken).values())
+    assert redone == total["recomputed_steps"] == sum(a["recomputed_steps"] for a in accounts) == 3
+    for a, following in itertools.pairwise(accounts):
+        mine = {s for attempt, s in taken if attempt == a["attempt"]}
+        theirs = {s for attempt, s in taken if attempt == following["attempt"]}
+        assert a["recomputed_steps"] == len(mine & theirs)
+        assert a["recomputed_s"] > 0 and a["lost_s"] > 0  # killed: its last steps redone, its end lost
+        assert following["start"] - a["end"] == pytest.approx(a["downtime_s"], abs=1e-3)
+
+    # Each attempt's parts add up to its wall time; the run's to the launcher's wall time as measured here.
+    for a in accounts:
+        assert sum(a[k] for k in goodput.PARTS) - a["downtime_s"] == pytest.approx(a["end"] - a["start"], abs=1e-3)
+        assert all(a[k] >= 0 for k in goodput.PARTS)
+    parts = sum(total[k] for k in goodput.PARTS)
+    assert parts == pytest.approx(total["wall_s"], rel=1e-3)
+    # With the teardown the launcher wrote into the last ledger (after fit's records), the run's account is the
+    # launcher's wall time: the first attempt starts with the launcher.
+    run = goodput.Total.of(goodput.run_records(tmp_path / "log"))
+    assert run.parts["teardown_s"] > 0 and total["teardown_s"] == 0
+    assert sum(run.parts.values()) == pytest.approx(run.wall_s, rel=1e-3)
+    assert abs(run.wall_s - wall) <= 0.05 * wall, (run.wall_s, wall)
+    assert {k: v for k, v in run.parts.items() if k != "teardown_s"} == pytest.approx(
+        {k: total[k] for k in goodput.PARTS if k != "teardown_s"}, abs=1e-5
+    )
+    assert total["step_s"] > 0 and total["compile_s"] > 0 and total["startup_s"] > 0
+    assert total["goodput"] == pytest.approx(total["step_s"] / total["wall_s"], rel=1e-4)
+    assert "fit: goodput: " in done.stdout and "3 attempt(s) (3 steps recomputed)" in done.stdout
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "jddp.cli.main", "goodput", str(tmp_path / "log")],
+        capture_output=True, text=True, check=True, env=multiprocess.environment(),
+    ).stdout  # fmt: skip
+    assert "attempt 0: steps 0..10 (stopped)" in shown and "attempt 2: steps 16..30 (finished)" in shown
+    assert f"{run.wall_s:.2f}" in shown
+    assert (tmp_path / "log" / "goodput.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------------------------ unit tests
+
+
+def ledger(**changes) -> dict[str, float]:
+    values = dict.fromkeys(goodput.SLOTS, 0.0)
+    values.update(attempt_start=100.0, fit_start=103.0, restore_s=1.0, compile_s=2.0, step_s=8.0, data_wait_s=2.0)
+    values.update(checkpoint_s=1.5, eval_s=0.5, first_step=0, last_step=50, steps_run=50, last_update=120.0)
+    values.update(previous_end=math.nan, **changes)
+    return values
+
+
+def test_a_stopped_attempt_redone_from_an_older_checkpoint():
+    a = goodput.account(ledger(), 0, next_start=130.0, next_first_step=40, end=125.0)
+    # 10 of 50 steps redone, at (8 + 2) / 50 s each, moved out of step and data wait in their proportions
+    assert a["recomputed_steps"] == 10 and a["recomputed_s"] == pytest.approx(2.0)
+    assert a["step_s"] == pytest.approx(8.0 - 1.6) and a["data_wait_s"] == pytest.approx(2.0 - 0.4)
+    assert a["startup_s"] == 3.0 and a["lost_s"] == 5.0 and a["downtime_s"] == 5.0
+    assert a["other_s"] == pytest.approx(120 - 103 - 15)
+    assert sum(a[k] for k in goodput.PARTS) == pytest.approx(130.0 - 100.0)
+    assert (a["start"], a["end"], a["finished"]) == (100.0, 125.0, 0.0)
+
+
+def test_without_a_launcher_an_attempt_ends_at_its_last_step():
+    a = goodput.account(ledger(), 0, next_start=130.0, next_first_step=50, end=math.nan)
+    assert (a["end"], a["lost_s"], a["downtime_s"], a["recomputed_steps"]) == (120.0, 0.0, 10.0, 0)
+    # an outside end before the last step (clocks of two hosts) is not believed either
+    assert goodput.account(ledger(), 0, next_start=None, next_first_step=None, end=110.0)["end"] == 120.0
+
+
+def test_a_finished_attempt_ends_at_its_end_and_loses_nothing():
+    a = goodput.account(ledger(end=121.0, last_update=121.0), 2, next_start=None, next_first_step=None)
+    assert (a["end"], a["lost_s"], a["downtime_s"], a["finished"], a["attempt"]) == (121.0, 0.0, 0.0, 1.0, 2.0)
+    assert sum(a[k] for k in goodput.PARTS) == pytest.approx(21.0)
+
+
+def test_the_total_telescopes_over_attempts():
+    first = goodput.account(ledger(), 0, next_start=130.0, next_first_step=40, end=125.0)
+    second = goodput.account(
+        ledger(attempt_start=130.0, fit_start=131.0, last_update=150.0, end=150.0, first_step=40, last_step=90),
+        1, next_start=None, next_first_step=None,
+    )  # fmt: skip
+    total = goodput.Total.of([second, first])
+    assert total.wall_s == 50.0 and total.attempts == 2 and total.recomputed_steps == 10
+    assert sum(total.parts.values()) == pytest.approx(50.0)
+    assert total.goodput == pytest.approx(total.parts["step_s"] / 50.0)
+    assert "goodput (step time / wall)" in total.table() and "over 2 attempt(s)" in total.line()
+
+
+def test_the_ledger_file_keeps_what_was_written_and_each_attempt_gets_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("JDDP_ATTEMPT_START", "1000.5")
+    monkeypatch.setenv("JDDP_PREVIOUS_END", "999.0")
+    monkeypatch.setattr(goodput, "_last_fit_end", None)
+    first = goodput.Ledger(tmp_path, 0)
+    first.start_at(8)
+    first.update(12, 4, {"step_s": 1.25, "eval_s": 0.5})
+    on_disk = goodput.read(first.path)  # what a SIGKILL now would leave: the memory map is the file
+    assert (on_disk["first_step"], on_disk["last_step"], on_disk["steps_run"]) == (8, 12, 4)
+    assert (on_disk["step_s"], on_disk["eval_s"], on_disk["attempt_start"], on_disk["previous_end"]) == (
+        1.25, 0.5, 1000.5, 999.0,
+    )  # fmt: skip
+    ended = time.time() + 5  # the launcher saw the group of the first attempt stopped then
+    monkeypatch.setenv("JDDP_PREVIOUS_END", f"{ended:.6f}")
+    second = goodput.Ledger(tmp_path, 0)
+    second.start_at(10)
+    assert (first.index, second.index) == (0, 1)
+    ((path, account),) = second.open_accounts()
+    assert path == first.path and account["recomputed_steps"] == 2
+    assert account["end"] == pytest.approx(ended) and account["lost_s"] == pytest.approx(ended - on_disk["last_update"])
+    goodput.close(path)
+    assert second.open_accounts() == []
+    # a second fit in the same process starts where the first one ended, not at the process start
+    second.finish(10, 0, {})
+    assert goodput.Ledger(tmp_path, 0).path.name == "attempt-0002.ledger"
+    assert goodput.read(tmp_path / goodput.LEDGER_DIR / "attempt-0002.ledger")["attempt_start"] == second["end"]
+
+
+def test_cutting_the_log_back_on_resume_keeps_the_goodput_records(tmp_path):
+    path = tmp_path / logs.METRICS_FILE
+    rows = [
+        {"step": 5, "split": "train"},
+        {"step": 20, "split": "train"},
+        {"step": 20, "split": "goodput", "attempt": 0},
+        {"step": 30, "split": "goodput_total"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept = logs.keep_until(path, 10)
+    assert kept == [rows[0], rows[2], rows[3]] == logs.read_metrics(path)
+
+
+def test_goodput_cli_says_what_is_missing(tmp_path, capsys):
+    assert goodput.main([str(tmp_path)]) == 2
+    assert "no goodput records or ledgers in" in capsys.readouterr().out
