@@ -70,6 +70,11 @@ def weighted_means(rows: list[dict]) -> dict:
     return {**means, "examples": float(w.sum()), "steps": len(rows), "nonfinite": 0}
 
 
+def training(records: list[dict]) -> list[dict]:
+    """The records of training and evaluation, without the goodput accounts of wall time (jddp.goodput)."""
+    return [r for r in records if not r["split"].startswith("goodput")]
+
+
 def assert_records_equal(got: list[dict], expected: list[dict]) -> None:
     assert [(r["step"], r["split"], sorted(r)) for r in got] == [(r["step"], r["split"], sorted(r)) for r in expected]
     for g, e in zip(got, expected, strict=True):
@@ -114,7 +119,7 @@ def test_logged_metrics_are_the_step_and_evaluate_metrics(tmp_path, capsys):
             expected.append({"step": step, "epoch": epoch, "split": "eval", **dp.evaluate(state, test)})
     assert epoch_rows[9]["examples"] == 6  # the epoch's last batch: the weights matter
     assert_records_equal(result.history, expected)
-    assert_records_equal(read_metrics(tmp_path / "metrics.jsonl"), expected)
+    assert_records_equal(training(read_metrics(tmp_path / "metrics.jsonl")), expected)
     assert result.final_eval == {k: v for k, v in expected[-1].items() if k not in ("step", "epoch", "split")}
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(result.state), jax.device_get(state))
 
@@ -239,8 +244,14 @@ def test_killed_and_preempted_run_continues_its_log_and_ends_bitwise_equal(tmp_p
     finally:
         finish(reference, 0)
 
-    logged = read_metrics(broken / "log" / "metrics.jsonl")
-    assert logged == read_metrics(clean / "log" / "metrics.jsonl")
+    logged = training(read_metrics(broken / "log" / "metrics.jsonl"))
+    assert logged == training(read_metrics(clean / "log" / "metrics.jsonl"))
+    # The goodput accounts without a launcher: the killed attempt's steps 9 and 10 were taken again.
+    accounts = [r for r in read_metrics(broken / "log" / "metrics.jsonl") if r["split"] == "goodput"]
+    assert [(a["attempt"], a["first_step"], a["last_step"], a["finished"]) for a in accounts] == [
+        (0, 0, 10, 0), (1, 8, 15, 0), (2, 15, 25, 1),
+    ]  # fmt: skip
+    assert [a["recomputed_steps"] for a in accounts] == [2, 0, 0]
     assert [r["step"] for r in logged if r["split"] == "train"] == [*range(2, 25, 2), 25]
     assert [r["step"] for r in logged if r["split"] == "eval"] == [5, 10, 15, 20, 25]
     a, b = np.load(clean / "final.npz"), np.load(broken / "final.npz")
@@ -257,6 +268,7 @@ def test_only_process_0_prints_and_writes(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in (tmp_path / "log0").iterdir() if not p.name.startswith("events")) == [
         "config.yaml",
+        "goodput",
         "loss.png",
         "metrics.jsonl",
     ]
