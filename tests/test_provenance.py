@@ -188,3 +188,28 @@ def test_fit_refuses_a_bad_skip_steps():
     for bad in ((5, 3), (-1, 2), (1.0, 2), 7, (1, 2, 3)):
         with pytest.raises(ValueError, match=r"skip_steps=.* must be \(first, last\)"):
             jddp.fit(dp, state, loader(8), steps=3, progress=False, skip_steps=bad)
+
+
+@pytest.mark.multiprocess
+def test_examples_at_equals_what_every_process_consumed_across_a_resume_onto_another_process_count(tmp_path):
+    """2 processes x 2 devices take 14 steps (2 epochs and 2 steps), then 1 process x 1 device resumes from the
+    loader state for 9 more: for every step, the union of what the processes' devices actually held (recorded by
+    each process from its own shards) is ``examples_at(step)``, as computed by the resumed run."""
+    from tests import multiprocess
+
+    script = str(multiprocess.WORKERS / "provenance.py")
+    multiprocess.run(script, 2, 2, str(tmp_path), "a", "14")
+    multiprocess.run(script, 1, 1, str(tmp_path), "b", "9", str(tmp_path / "state-a.json"))
+    consumed: dict[int, list[int]] = {}
+    for name in ("consumed-a-0", "consumed-a-1", "consumed-b-0"):
+        for step, own in json.loads((tmp_path / f"{name}.json").read_text()).items():
+            consumed.setdefault(int(step), []).extend(own)
+    assert sorted(consumed) == list(range(23))
+    recomputed = json.loads((tmp_path / "examples_at-b.json").read_text())
+    for step in range(23):
+        assert sorted(consumed[step]) == sorted(recomputed[str(step)]), step
+    a0 = json.loads((tmp_path / "consumed-a-0.json").read_text())
+    a1 = json.loads((tmp_path / "consumed-a-1.json").read_text())
+    assert all(a0[s] and a1[s] and not set(a0[s]) & set(a1[s]) for s in a0)  # each process its own part
+    assert [len(consumed[s]) for s in range(6)] == [8, 8, 8, 8, 8, 5]
+    assert sorted(i for s in range(6, 12) for i in consumed[s]) == list(range(N))
