@@ -3,7 +3,14 @@
 Runs before any backend use: 8 simulated CPU devices and strict rank promotion.
 """
 
+import os
+import tempfile
+
 import jax
+
+# The worker processes' compilation cache (jddp.initialize turns one on): one per machine and user for the
+# suite, not the user's own ~/.cache/jddp/xla. Tests of the cache itself set their own.
+os.environ.setdefault("JDDP_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), f"jddp-test-xla-{os.getuid()}"))
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)

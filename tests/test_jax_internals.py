@@ -118,3 +118,15 @@ def test_varying_axes():
     except AttributeError as error:
         pytest.fail(moved("varying_axes", f"jax.typeof(x).mat.varying ({error})"))
     assert (counts == [[1, 0]] * 8).all()  # the batch varies over "data"; a replicated weight does not
+
+
+def test_make_cache_writes_atomic():
+    assert jax_internals.make_cache_writes_atomic(), "jax._src.lru_cache.LRUCache.put moved or changed"
+    # the behaviour: tests/test_compile_cache.py::test_cache_entries_are_written_whole_or_not_at_all
+
+
+def test_cache_writes_from_every_process():
+    assert jax_internals.cache_writes_from_every_process(), (
+        "jax._src.compiler._cache_write moved or changed its arguments; see its docstring for why jddp replaces it"
+    )
+    # the behaviour: tests/test_compile_cache.py::test_a_second_run_reaches_its_first_step_without_compiling[2]

@@ -42,8 +42,8 @@ import sys
 import time
 
 from jddp import net
+from jddp.runtime import compile_cache, jax_internals, mesh, progress, watchdog
 from jddp.runtime import coordinator as coordinator_lib
-from jddp.runtime import jax_internals, mesh, progress, watchdog
 
 ENV_COORDINATOR = "JDDP_COORDINATOR"
 ENV_NUM_PROCESSES = "JDDP_NUM_PROCESSES"
@@ -253,6 +253,7 @@ def initialize(
         coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind_address
     )
     stall = progress.Settings.from_env()  # bad JDDP_STALL_* values raise here, before anything starts
+    compile_cache.enable()  # restarts and reruns read their compiled programs back (jddp.runtime.compile_cache)
     if settings.single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
         if settings.local_devices is not None:
             mesh.simulate_cpu_devices(settings.local_devices)

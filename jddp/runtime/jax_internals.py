@@ -134,3 +134,95 @@ def varying_axes(x) -> frozenset:
     the engine needs them to cast a value to varying only once.
     """
     return frozenset(jax.typeof(x).mat.varying)  # pyright: ignore[reportAttributeAccessIssue]  # see the docstring
+
+
+def make_cache_writes_atomic() -> bool:
+    """Makes JAX's persistent compilation cache write each entry atomically (a temporary file, then a rename).
+
+    JAX's ``LRUCache.put`` (jax 0.10, without a size limit) writes the entry in place with
+    ``Path.write_bytes`` and never rewrites an entry that exists. A process killed in the middle of that write
+    (a SIGKILL during the first compile is an ordinary way for a run to end) leaves a truncated entry that every
+    later run fails to read, warns about, recompiles and cannot replace; two processes of one group writing the
+    same entry can also let a third read it half written. Returns False (and changes nothing) when this JAX's
+    cache is not the one expected.
+    """
+    import os
+
+    from jax._src import lru_cache
+
+    cls = lru_cache.LRUCache
+    if getattr(cls.put, "_jddp_atomic", False):
+        return True
+    suffix = getattr(lru_cache, "_CACHE_SUFFIX", None)
+    if suffix is None or not callable(getattr(cls, "put", None)):
+        return False
+    original = cls.put
+
+    def put(self, key: str, value: bytes) -> None:
+        if not key or getattr(self, "eviction_enabled", True):
+            return original(self, key, value)  # with a size limit JAX locks and evicts: leave that path as it is
+        path = self.path / f"{key}{suffix}"
+        if path.exists():
+            return
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(value)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    put._jddp_atomic = True  # type: ignore[attr-defined]
+    cls.put = put
+    return True
+
+
+def cache_writes_from_every_process() -> bool:
+    """Lets every process of a group write its compiled programs to the persistent compilation cache.
+
+    JAX 0.10 writes cache entries from process 0 only (``compiler._cache_write``: "contention for writes on some
+    filesystems"). On CPU the other processes' programs have keys of their own (measured: process 1 of 2 found
+    none of its 10 programs after a run), so without this a restarted group waits for every other process to
+    compile from scratch, and process 0's cache saves nothing. The replacement is JAX's own function without that
+    one test; entries are written atomically (``make_cache_writes_atomic``), so processes that do share a key
+    cannot corrupt it. Returns False (and changes nothing) when this JAX's function is not the one expected.
+    """
+    import inspect
+    import logging
+    import warnings
+
+    from jax._src import compilation_cache, compiler
+    from jax._src import config as jax_config
+
+    original = getattr(compiler, "_cache_write", None)
+    if original is None or getattr(original, "_jddp", False):
+        return original is not None
+    try:
+        expected = ["cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks"]
+        if list(inspect.signature(original).parameters) != expected:
+            return False
+    except (TypeError, ValueError):
+        return False
+    logger = logging.getLogger(compiler.__name__)
+
+    def _cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks) -> None:
+        if host_callbacks:
+            return  # as JAX: host callbacks are baked into the program
+        if compile_time_secs < jax_config.persistent_cache_min_compile_time_secs.value:
+            return
+        try:
+            compilation_cache.put_executable_and_time(
+                cache_key, module_name, executable, backend, int(compile_time_secs)
+            )
+        except Exception as ex:
+            if compiler._should_raise_persistent_cache_error(ex):
+                raise
+            logger.debug("cache write failed", exc_info=True)
+            warnings.warn(
+                f"Error writing persistent compilation cache entry for '{module_name}': {type(ex).__name__}: {ex}",
+                stacklevel=2,
+            )
+
+    _cache_write._jddp = True  # type: ignore[attr-defined]
+    compiler._cache_write = _cache_write
+    return True
