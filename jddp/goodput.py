@@ -67,6 +67,7 @@ SLOTS = (
     "previous_end",
     "closed",
     "teardown_end",
+    "first_step_end",
 )
 TIMERS = ("restore_s", "compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")
 PARTS = (
@@ -147,7 +148,9 @@ class Ledger:
             s[at[name]] = times.get(name, 0.0)
         s[at["last_step"]] = step
         s[at["steps_run"]] = steps_run
-        s[at["last_update"]] = time.time()
+        now = s[at["last_update"]] = time.time()
+        if steps_run == 1 and not s[at["first_step_end"]]:
+            s[at["first_step_end"]] = now  # when this attempt's first step was done (restart benchmarks)
 
     def start_at(self, step: int) -> None:
         """The step this attempt starts from (after its restore)."""

@@ -266,6 +266,7 @@ class _Worker:
     code: int | None = None
     ended: float | None = None  # monotonic time its exit was seen
     unresponsive: bool = False  # still running when the group had failed: the launcher killed it
+    stopped_for_restart: bool = False  # still running when another failed and a restart followed: killed at once
 
 
 class _Launcher:
@@ -280,6 +281,7 @@ class _Launcher:
         self.probed_at, self.service_answered, self.service_silent_since = 0.0, False, None
         self.attempt_start = self.run_start = STARTED
         self.previous_end: float | None = None
+        self.attempt = 0
         self.note_dir = tempfile.mkdtemp(prefix="jddp-launch-")  # JDDP_LEDGER_NOTE: where fit's ledger is
 
     # -- the coordination service (node 0 only) -------------------------------
@@ -448,6 +450,8 @@ class _Launcher:
         def describe(w: _Worker) -> str:
             if w.code is None:  # it outlived SIGKILL and the 30 s wait after it
                 return "still running"
+            if w.stopped_for_restart:
+                return "stopped by the launcher for the restart (SIGKILL)"
             if w.unresponsive:
                 how = exitcodes.describe(w.code)
                 return f"did not end with the group (frozen or stuck), stopped by the launcher: {how}"
@@ -485,6 +489,7 @@ class _Launcher:
         """Runs one attempt; returns ("ok" | "failed" | "preempted" | "signal", the first failed process)."""
         try:
             self.start(attempt)
+            self.attempt = attempt
             outcome, first_failed = self.watch()
             if (
                 outcome == "failed"
@@ -547,6 +552,19 @@ class _Launcher:
                 # signals only for those that do not. When the first to end lost a peer, the others that lost it
                 # judge the same silence and end within a watchdog round; whoever is still running after that is
                 # the frozen one.
+                if self.attempt < self.config.max_restarts and not exitcodes.is_peer_failure(first_failed.code):
+                    # A restart follows: the others' end can tell nothing the launcher does not know already, and
+                    # waiting for them to notice (the peer timeout) is downtime. SIGKILL, not SIGTERM: a SIGTERM is
+                    # a preemption, whose save needs the process that is gone. A kill never damages a published
+                    # checkpoint; a save in flight is cleaned up when the next attempt opens the directory.
+                    self.output.say(f"process {first_failed.process_id} {what}; a restart follows: stopping the others")
+                    self.poll()
+                    for w in self.workers:
+                        w.stopped_for_restart = w.code is None
+                    self.signal_all(signal.SIGKILL)
+                    self.wait_all(30)
+                    self.finish_output()
+                    return "failed", first_failed
                 wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5
                 if exitcodes.is_peer_failure(first_failed.code):
                     wait = PEER_LOST_WAIT_S

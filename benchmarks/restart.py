@@ -1,0 +1,143 @@
+"""Restart time: from a SIGKILL to the first step of the restarted group, with and without the compilation cache.
+
+    python -m benchmarks.restart [--repeats 5] [--seed 0]
+
+Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, 3 epochs, a checkpoint every
+20 steps) under ``jddp launch -n 2 --max-restarts 3``, and SIGKILLs one worker once per run, at a step and a
+process drawn from ``--seed`` (printed, so a run can be replayed), once the run is past step 30. Modes, interleaved
+run by run: ``cold`` (``JDDP_COMPILATION_CACHE=0``: every restart compiles) and ``warm`` (jddp's default cache, in
+a directory filled by one run first). From the goodput ledgers (``jddp.goodput``): the time from the kill to the
+restarted attempt's first step, and its parts: the old group's end (noticed and stopped), the launcher's restart,
+the new processes' start (imports, ``initialize``, the model), the restore, and the first step (compilation).
+Prints medians and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
+CONFIG = ROOT / "configs" / "mnist1d_mlp.yaml"
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def workers(launcher: int) -> list[int]:
+    """The launcher's Python worker processes (not the coordination service), in start order."""
+    out = []
+    for pid in children(launcher):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"train.py") for part in cmd):
+            out.append(pid)
+    return out
+
+
+def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_timeout: float) -> dict | None:
+    from jddp import goodput
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("XLA_FLAGS", None)
+        env["JDDP_COMPILATION_CACHE"] = "0" if mode == "cold" else cache_dir
+        argv = [
+            sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", "--peer-timeout", str(peer_timeout),
+            str(SCRIPT), f"config={CONFIG}", "epochs=3", "progress=false", "save_every=20",
+            f"log_dir={run_dir}/log", f"checkpoint_dir={run_dir}/ckpt",
+        ]  # fmt: skip
+        launcher = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        ledger0 = Path(run_dir) / "log" / goodput.LEDGER_DIR / "attempt-0000.ledger"
+        killed_at = None
+        try:
+            while kill_step is not None and killed_at is None and launcher.poll() is None:
+                time.sleep(0.02)
+                if ledger0.exists() and goodput.read(ledger0)["last_step"] >= kill_step:
+                    pids = workers(launcher.pid)
+                    if len(pids) == 2:
+                        os.kill(pids[victim], signal.SIGKILL)
+                        killed_at = time.time()
+            launcher.wait(timeout=600)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+        if launcher.returncode != 0:
+            print(f"  {mode}: the run failed (exit {launcher.returncode})", flush=True)
+            return None
+        ledgers = sorted((Path(run_dir) / "log" / goodput.LEDGER_DIR).glob("attempt-*.ledger"))
+        if kill_step is None:
+            only = goodput.read(ledgers[0])
+            return {"first_step_s": only["first_step_end"] - only["attempt_start"]}
+        if len(ledgers) != 2 or killed_at is None:
+            print(f"  {mode}: expected one restart, found {len(ledgers)} attempts", flush=True)
+            return None
+        old, new = goodput.read(ledgers[0]), goodput.read(ledgers[1])
+        return {
+            "kill_to_first_step_s": new["first_step_end"] - killed_at,
+            "group_end_s": new["previous_end"] - killed_at,
+            "relaunch_s": new["attempt_start"] - new["previous_end"],
+            "startup_s": new["fit_start"] - new["attempt_start"],
+            "restore_s": new["restore_s"],
+            "first_step_s": new["first_step_end"] - new["fit_start"] - new["restore_s"],
+            "redone_steps": old["last_step"] - new["first_step"],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer-timeout", type=float, default=30.0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    print(f"restart benchmark: seed {args.seed}, {args.repeats} kills per mode, load {os.getloadavg()[0]:.2f}")
+    results: dict[str, list[dict]] = {"cold": [], "warm": []}
+    first_steps: dict[str, list[float]] = {"cold": [], "warm": []}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        one_run("warm", cache_dir, None, 0, args.peer_timeout)  # fills the cache
+        for i in range(args.repeats):
+            kill_step, victim = rng.randint(31, 60), rng.randint(0, 1)
+            for mode in ("cold", "warm") if i % 2 == 0 else ("warm", "cold"):
+                r = one_run(mode, cache_dir, kill_step, victim, args.peer_timeout)
+                if r is not None:
+                    results[mode].append(r)
+                    print(f"  {mode}: kill process {victim} after step {kill_step}: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
+        for i in range(args.repeats):  # a fresh start, no kill: the first step with and without the cache
+            for mode in ("cold", "warm") if i % 2 == 0 else ("warm", "cold"):
+                r = one_run(mode, cache_dir, None, 0, args.peer_timeout)
+                if r is not None:
+                    first_steps[mode].append(r["first_step_s"])
+    print(f"medians over the kills (seconds), load at the end {os.getloadavg()[0]:.2f}:")
+    keys = list(next(iter(v for v in results.values() if v), [{}])[0])
+    print("  " + f"{'':<6}" + "".join(f"{k:>22}" for k in keys))
+    for mode, rows in results.items():
+        if rows:
+            print("  " + f"{mode:<6}" + "".join(f"{statistics.median(r[k] for r in rows):>22.2f}" for k in keys))
+    for mode, times in first_steps.items():
+        if times:
+            print(
+                f"  fresh start to the first step, {mode} cache: median {statistics.median(times):.2f} s "
+                f"(min {min(times):.2f}, max {max(times):.2f}) over {len(times)} runs"
+            )
+
+
+if __name__ == "__main__":
+    main()
