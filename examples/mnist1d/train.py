@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import pathlib
 import sys
 
@@ -50,15 +51,38 @@ class Config:
 
 
 def load_data(config: Config) -> dict[str, np.ndarray]:
-    """MNIST-1D arrays: ``x`` [n, 40] float32, ``y`` [n] int32, and ``x_test``, ``y_test``."""
+    """MNIST-1D arrays: ``x`` [n, 40] float32, ``y`` [n] int32, and ``x_test``, ``y_test``.
+
+    Generating them takes seconds, on every process of every restart; the arrays are kept in
+    ``$XDG_CACHE_HOME/jddp/data`` (``~/.cache/jddp/data``), keyed by the generator's version, the sample count and
+    the seed, written atomically (a process killed while writing leaves nothing half written).
+    """
+    from importlib.metadata import version
+
     from mnist1d.data import get_dataset_args, make_dataset
 
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = pathlib.Path(base) / "jddp" / "data" / f"mnist1d-{version('mnist1d')}-{config.num_samples}-{config.seed}.npz"
+    try:
+        with np.load(path) as cached:
+            return {k: cached[k] for k in ("x", "y", "x_test", "y_test")}
+    except (OSError, KeyError, ValueError):
+        pass  # not there yet, or unreadable: generate it again
     args = get_dataset_args()
     args.num_samples, args.seed = config.num_samples, config.seed
     data = make_dataset(args)
-    return {
+    arrays = {
         k: np.asarray(data[k], np.float32 if k.startswith("x") else np.int32) for k in ("x", "y", "x_test", "y_test")
     }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: generate it every time
+    return arrays
 
 
 def make_model(config: Config):
