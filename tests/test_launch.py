@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -514,3 +515,30 @@ def test_an_ipv6_coordinator_works():
     done = multiprocess.launch("-n", "2", "--coordinator", f"[::1]:{port}", GROUP, "hello")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[1] HELLO 1 [[0], [1]]" in done.stdout
+
+
+def shares(stdout: str) -> dict[int, dict]:
+    out = {}
+    for line in stdout.splitlines():
+        if "SHARE " in line:
+            out[int(line[1 : line.index("]")])] = json.loads(line.split("SHARE ", 1)[1])
+    return out
+
+
+def test_each_process_gets_its_share_of_the_cores_unless_told_not_to():
+    cores = sorted(os.sched_getaffinity(0))
+    affinity = str(multiprocess.WORKERS / "affinity.py")
+    done = multiprocess.launch("-n", "2", affinity)
+    assert done.returncode == 0, done.stderr
+    got = shares(done.stdout)
+    assert sorted(got) == [0, 1]
+    if len(cores) >= 2:  # every core used, none shared
+        assert sorted(got[0]["cores"] + got[1]["cores"]) == cores
+        assert not set(got[0]["cores"]) & set(got[1]["cores"])
+    for share in got.values():
+        assert share["omp"] == str(len(share["cores"]))
+        assert ("--xla_cpu_multi_thread_eigen=false" in share["xla_flags"]) == (len(share["cores"]) == 1)
+    done = multiprocess.launch("-n", "2", "--no-cpu-share", affinity)
+    assert all(s["cores"] == cores and s["omp"] is None for s in shares(done.stdout).values())
+    done = multiprocess.launch("-n", "2", affinity, env={"OMP_NUM_THREADS": "7"})
+    assert all(s["omp"] == "7" for s in shares(done.stdout).values())  # the user's own setting stays

@@ -80,6 +80,7 @@ is in ``jddp.cli.output``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -154,6 +155,11 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         "--peer-timeout", type=float, default=None, metavar="S", help="seconds before a silent peer counts as dead"
     )
     parser.add_argument("--no-malloc-tuning", action="store_true", help="do not set GLIBC_TUNABLES for the processes")
+    parser.add_argument(
+        "--no-cpu-share",
+        action="store_true",
+        help="do not give each process its own share of the cores (affinity, XLA and OpenMP threads)",
+    )
     parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="the script (or module with -m) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -188,6 +194,7 @@ class LaunchConfig:
     term_timeout: float = 30.0  # after a forwarded signal, seconds the processes get before SIGKILL
     peer_timeout: float | None = None  # seconds before a silent peer counts as dead (JDDP_PEER_TIMEOUT)
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
+    cpu_share: bool = True  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
 
     def __post_init__(self) -> None:
         if self.nprocs < 1:
@@ -229,12 +236,42 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """
     options = dict(vars(args))  # the flags' names are the fields' names, but for these two
     target_args, no_malloc_tuning = options.pop("args"), options.pop("no_malloc_tuning")
-    return LaunchConfig(target_args=tuple(target_args), malloc_tuning=not no_malloc_tuning, **options)
+    no_cpu_share = options.pop("no_cpu_share")
+    return LaunchConfig(
+        target_args=tuple(target_args), malloc_tuning=not no_malloc_tuning, cpu_share=not no_cpu_share, **options
+    )
 
 
 def command(config: LaunchConfig) -> list[str]:
     """The command line of every process: ``python -u [-m] target *target_args``."""
     return [sys.executable, "-u", *(["-m"] if config.module else []), config.target, *config.target_args]
+
+
+def cpu_shares(cores: list[int], nprocs: int) -> list[list[int]]:
+    """Each of ``nprocs`` processes' cores: contiguous blocks, as even as they go; with fewer cores than
+    processes, each process one core, the cores taken in turn.
+
+    >>> cpu_shares([0, 1, 2, 3, 4], 2), cpu_shares([0, 1], 3)
+    ([[0, 1, 2], [3, 4]], [[0], [1], [0]])
+    """
+    cores = sorted(cores)
+    if len(cores) < nprocs:
+        return [[cores[i % len(cores)]] for i in range(nprocs)]
+    size, extra = divmod(len(cores), nprocs)
+    shares, start = [], 0
+    for i in range(nprocs):
+        end = start + size + (1 if i < extra else 0)
+        shares.append(cores[start:end])
+        start = end
+    return shares
+
+
+def share_environment(env: dict[str, str], cores: list[int]) -> None:
+    """The threads of a process pinned to ``cores``: OpenMP's and XLA's (one core: no Eigen thread pool, whose
+    threads would only contend with the process's own), unless the user set them."""
+    env.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    if len(cores) == 1 and "xla_cpu_multi_thread_eigen" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
 
 def environment(config: LaunchConfig, local_rank: int, coordinator: str, attempt: int) -> dict[str, str]:
@@ -355,6 +392,10 @@ class _Launcher:
         if self.previous_end is not None:
             env["JDDP_PREVIOUS_END"] = f"{self.previous_end:.6f}"
         env["JDDP_LEDGER_NOTE"] = os.path.join(self.note_dir, "ledger")
+        cores = None
+        if self.config.cpu_share and self.config.nprocs > 1 and hasattr(os, "sched_setaffinity"):
+            cores = cpu_shares(sorted(os.sched_getaffinity(0)), self.config.nprocs)[local_rank]
+            share_environment(env, cores)
         # Python's stdout gets a pipe of its own (jddp.initialize() moves sys.stdout there), apart from fd 1,
         # where C++ (gloo) writes: see jddp.cli.output.
         python_read, python_write = os.pipe()
@@ -370,6 +411,9 @@ class _Launcher:
             )
         finally:
             os.close(python_write)
+        if cores is not None:  # before its interpreter starts threads: they inherit the mask
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(popen.pid, cores)
         worker = _Worker(int(env["JDDP_PROCESS_ID"]), popen)
         prefix = f"[{worker.process_id}] ".encode()
         pipes = (
