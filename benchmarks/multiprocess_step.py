@@ -26,6 +26,7 @@ over every timed step, the ratio of medians to the same variant on 1x8, and to
 
     python -m benchmarks.multiprocess_step --topologies 1x8,2x1,2x2,2x4 --rounds 3
     python -m benchmarks.multiprocess_step --topologies 2x4 --env XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
+    python -m benchmarks.multiprocess_step --topologies 2x1 --compare-cpu-share --variants jddp,hand-written pmean
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="KEY=VALUE: also run every topology with this added (repeatable; all together), interleaved",
+    )
+    p.add_argument(
+        "--compare-cpu-share",
+        action="store_true",
+        help="also run every topology with `jddp launch --no-cpu-share` (no core shares), interleaved",
     )
     p.add_argument("--json", default=None, help="also write the per-step times to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -209,11 +215,16 @@ def launch(topology: str, args: argparse.Namespace) -> dict[str, list[float]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     env.update(kv.split("=", 1) for kv in args.env)
+    flags = []
     if topology.endswith(" +env"):
         topology = topology.removesuffix(" +env")
         env.update(kv.split("=", 1) for kv in args.compare_env)
+    if topology.endswith(" no-share"):
+        topology = topology.removesuffix(" no-share")
+        flags.append("--no-cpu-share")
     procs, devices = topology.split("x")
-    cmd = [sys.executable, "-m", "jddp.launch", "-n", procs, "--devices-per-process", devices, __file__, "--worker"]
+    cmd = [sys.executable, "-m", "jddp.launch", "-n", procs, "--devices-per-process", devices, *flags]
+    cmd += [__file__, "--worker"]
     cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps), "--variants", args.variants]
     cmd += ["--hidden", str(args.hidden)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -233,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     topologies = args.topologies.split(",")
     if args.compare_env:
         topologies = [t + suffix for t in topologies for suffix in ("", " +env")]
+    if args.compare_cpu_share:
+        topologies = [t + suffix for t in topologies for suffix in ("", " no-share")]
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
