@@ -323,10 +323,11 @@ class _Launcher:
 
     # -- the coordination service (node 0 only) -------------------------------
     def start_service(self, coordinator: str) -> None:
-        """Starts the group's coordination service in a process of its own and waits until it listens.
+        """Starts the group's coordination service in a process of its own (``await_service`` waits until it
+        listens: the workers start meanwhile, their imports overlapping the service's).
 
         Raises:
-          OSError: the coordinator address is taken, or the service did not start (with its output).
+          OSError: the coordinator address is taken.
         """
         net.check_port_free(*net.split_address(coordinator))
         argv = [str(self.config.nnodes * self.config.nprocs), str(SERVICE_HEARTBEAT_S), str(SERVICE_SHUTDOWN_S)]
@@ -337,8 +338,9 @@ class _Launcher:
             start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher only
         )
         assert self.service.stdout is not None
-        said: list[bytes] = []
-        ready = threading.Event()
+        self.service_said: list[bytes] = []
+        self.service_ready = ready = threading.Event()
+        said = self.service_said
 
         def read(pipe) -> None:
             for line in pipe:
@@ -348,11 +350,19 @@ class _Launcher:
                         ready.set()
 
         threading.Thread(target=read, args=(self.service.stdout,), daemon=True).start()
+
+    def await_service(self, coordinator: str) -> None:
+        """Waits until the service started by ``start_service`` listens.
+
+        Raises:
+          OSError: the service did not start (with its output).
+        """
+        assert self.service is not None
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
-        while not ready.wait(0.05):
+        while not self.service_ready.wait(0.05):
             if self.service.poll() is not None or time.monotonic() > deadline:
                 self.stop_service()
-                text = b"".join(said).decode(errors="replace").strip() or "no output"
+                text = b"".join(self.service_said).decode(errors="replace").strip() or "no output"
                 raise OSError(f"the coordination service at {coordinator} did not start:\n{text}")
 
     def stop_service(self) -> None:
@@ -376,6 +386,14 @@ class _Launcher:
         if c.node_rank == 0:
             self.start_service(coordinator)
         self.workers = [self.start_one(local_rank, coordinator, attempt) for local_rank in range(c.nprocs)]
+        if c.node_rank == 0:
+            try:
+                self.await_service(coordinator)
+            except OSError:
+                self.signal_all(signal.SIGKILL)  # they would wait for a service that is not coming
+                self.wait_all(30)
+                self.finish_output()
+                raise
         first, last = self.workers[0].process_id, self.workers[-1].process_id
         self.output.say(
             f"started processes {first}..{last} of {c.nnodes * c.nprocs} (attempt {attempt + 1} of "
@@ -654,7 +672,7 @@ class _Launcher:
             while True:
                 try:
                     outcome, first_failed = self.run_once(attempt)
-                except OSError as error:  # the coordination service could not start; no process was started
+                except OSError as error:  # the coordination service could not start (its workers were stopped)
                     self.output.say(str(error))
                     return 1
                 if outcome == "failed" and attempt < self.config.max_restarts and self.signal_received is None:
