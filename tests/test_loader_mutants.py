@@ -123,3 +123,65 @@ def test_an_error_that_ends_local_batches_stops_its_read_ahead(monkeypatch):
         batches.throw(RuntimeError("consumer stopped"))
     assert not set(threading.enumerate()) - before
     assert info.value.__traceback__ is not None
+
+
+class Records:
+    """A random-access source of dicts whose record 0 is fine (the loader checks it when built) and whose later
+    records may hold a string field or a mask value of 2."""
+
+    def __init__(self, bad: str | None = None):
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict:
+        record = {"x": np.float32(i), "name": np.int32(0), "mask": np.float32(1)}
+        if i and self.bad == "name":
+            record["name"] = "a"
+        if i and self.bad == "mask":
+            record["mask"] = np.float32(2)
+        return record
+
+
+def test_a_bad_field_of_a_later_record_is_named_and_blamed_on_the_source():
+    """Record 0 passes the check at construction; a later record's string field and mask of 2, found when the batch
+    is read, are named with the field and "the source" (no transform)."""
+    data = jddp.data.DataLoader(Records("name"), global_batch_size=16, shuffle=False, prefetch=0)
+    with pytest.raises(TypeError, match=r"^DataLoader field 'name' of the source has dtype <U"):
+        next(iter(data))
+    data = jddp.data.DataLoader(Records("mask"), global_batch_size=16, shuffle=False, prefetch=0)
+    with pytest.raises(ValueError, match=r"^The 'mask' field of the source must be 0 or 1, got 2\.0"):
+        next(iter(data))
+
+
+def to_text(example, rng):
+    return {**example, "name": "a"}
+
+
+def to_texts(batch, rng):
+    return {**batch, "name": np.array(["a"] * len(batch["x"]))}
+
+
+def mask_of_twos(batch, rng):
+    return {**batch, "mask": np.full(len(batch["x"]), 2.0, np.float32)}
+
+
+@pytest.mark.parametrize(
+    ("transform", "batch_transform"),
+    [(to_text, None), (None, to_texts), (add_one, to_texts)],
+    ids=["transform", "batch_transform", "both"],
+)
+def test_a_bad_field_made_by_a_transform_is_blamed_on_the_transforms(transform, batch_transform):
+    """With either transform (or both) a string field they return is named with "the transforms", not the source."""
+    data = jddp.data.DataLoader(
+        source(32), global_batch_size=16, transform=transform, batch_transform=batch_transform, prefetch=0
+    )
+    with pytest.raises(TypeError, match=r"^DataLoader field 'name' of the transforms has dtype <U"):
+        next(iter(data))
+
+
+def test_a_bad_mask_made_by_a_batch_transform_is_blamed_on_the_transforms():
+    data = jddp.data.DataLoader(source(32), global_batch_size=16, batch_transform=mask_of_twos, prefetch=0)
+    with pytest.raises(ValueError, match=r"^The 'mask' field of the transforms must be 0 or 1, got 2\.0"):
+        next(iter(data))
