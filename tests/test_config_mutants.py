@@ -184,3 +184,38 @@ def test_to_yaml_resolves_interpolations(make):
 def test_to_yaml_names_the_type_it_refuses():
     with pytest.raises(TypeError, match=r"or a mapping, got <class 'int'>\.$"):
         config.to_yaml(3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["epochs={a: 1}"], "epochs={'a': 1} (dict), expected int."),
+        (["name=[1,2]"], "name=[1, 2] (list), expected str."),
+        (["model.hidden=[1]"], "model.hidden=[1] (list), expected int."),
+    ],
+    ids=["mapping-for-int", "list-for-str", "list-for-nested-int"],
+)
+def test_a_mapping_or_list_where_a_value_belongs_is_named_dict_or_list(argv, expected):
+    """OmegaConf hands over its own containers (DictConfig, ListConfig) as the bad value; the message names the
+    Python types a user wrote."""
+    assert message(argv).endswith(expected)
+
+
+def test_a_mapping_given_to_a_top_level_list_field_blames_that_field():
+    """`sizes.a=1` for a `List[int]` field: the field `sizes` is wrong, not a key `sizes.a` it cannot have."""
+    assert message(["sizes.a=1"]).endswith("`sizes` on the command line has a value of the wrong type: "
+                                           "sizes={'a': 1} (dict), expected List[int].")  # fmt: skip
+
+
+def test_a_mapping_given_to_a_tuple_inside_a_mapping_value_blames_the_tuple():
+    """Under `layers: dict[str, Model]` the entry's field `layers.a.dims` is wrong, not the whole mapping."""
+    assert message(["layers.a.dims.b=1"]).endswith(
+        "`layers.a.dims` on the command line has a value of the wrong type: layers.a.dims={'b': 1} (dict), "
+        "expected tuple[int, ...]."
+    )
+
+
+def test_a_file_that_is_no_config_is_named(tmp_path):
+    """Valid YAML that OmegaConf cannot hold (a `null:` key): the message starts with the file's path."""
+    path = write(tmp_path, "null: 1\n")
+    assert message(path=path).startswith(f"Config file {path!r} cannot be read as a config: ")
