@@ -125,7 +125,42 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
     except (ValueError, TypeError) as error:  # raised by the schema's own __post_init__
         raise ConfigError(f"{schema.__name__} rejected the config ({_sources(path, overrides)}): {error}") from None
     assert isinstance(instance, schema)  # to_object instantiates the structured config's dataclass
+    _check_containers(schema, instance, "", path, overrides)
     return instance
+
+
+_SCALARS = (int, float, str, bool)
+
+
+def _check_containers(schema: type, instance: Any, prefix: str, path, overrides: list[str]) -> None:
+    """The values inside ``dict[K, V]``, ``list[V]`` and ``tuple[V, ...]`` fields have the type ``V`` says.
+
+    OmegaConf checks a typed container's values when they are scalars, but takes a mapping or a list for a scalar
+    ``V`` (``counts.a.b=1`` under ``counts: dict[str, int]`` gives ``{"a": {"b": 1}}``).
+    """
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        value, kind = getattr(instance, field.name), hints.get(field.name)
+        key = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _check_containers(type(value), value, f"{key}.", path, overrides)
+            continue
+        origin, args = typing.get_origin(kind), typing.get_args(kind)
+        if origin in (dict, Mapping) and len(args) == 2:
+            items = [(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, Mapping) else []
+        elif origin in (list, Sequence, tuple) and args:
+            items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list | tuple) else []
+        else:
+            continue
+        element = args[-1]
+        if element not in _SCALARS:
+            continue
+        for item_key, item in items:
+            if isinstance(item, Mapping | list | tuple):
+                raise ConfigError(
+                    f"Config key `{item_key}` ({_sources(path, overrides)}) has a value of the wrong type: "
+                    f"{item_key}={item!r} ({_type_name(item)}), expected {element.__name__}."
+                )
 
 
 def to_yaml(config: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -216,3 +217,29 @@ def test_wrong_shapes_of_values_are_config_errors_naming_the_key(tmp_path, overr
     path = write(tmp_path, text) if text is not None else None
     with pytest.raises(config.ConfigError, match=expected):
         config.parse(Config, overrides, path=path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    sizes: list[int] = dataclasses.field(default_factory=lambda: [1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Containers:
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    inner: _Inner = dataclasses.field(default_factory=_Inner)
+
+
+@pytest.mark.parametrize(
+    ("arg", "key", "shown"),
+    [
+        ("counts.a.b=1", "counts.a", "{'b': 1} (dict), expected int"),
+        ("counts.a=[1,2]", "counts.a", "[1, 2] (list), expected int"),
+        ("inner.sizes=[1,[2]]", "inner.sizes[1]", "[2] (list), expected int"),
+    ],
+)
+def test_a_container_inside_a_typed_container_of_scalars_is_refused(arg, key, shown):
+    with pytest.raises(config.ConfigError, match=re.escape(f"Config key `{key}` (defaults, command line {arg})")) as e:
+        config.parse(_Containers, [arg])
+    assert f"has a value of the wrong type: {key}={shown}." in str(e.value)
+    assert config.parse(_Containers, ["counts.a=1", "inner.sizes=[1,2]"]) == _Containers({"a": 1}, _Inner([1, 2]))
