@@ -28,6 +28,7 @@ LAYERS = {
     "jddp.checkpoint": "checkpoint",
     "jddp.models": "models",
     "jddp.logs": "fit",
+    "jddp.goodput": "fit",  # the ledger fit keeps; `jddp goodput` and the launcher read and mark it (no JAX)
     "jddp.loop": "fit",
     "jddp.benchmark": "cli",  # the models and worker of `jddp bench`
     "jddp.cli": "cli",
