@@ -97,6 +97,8 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             "restore_s": new["restore_s"],
             "first_step_s": new["first_step_end"] - new["fit_start"] - new["restore_s"],
             "redone_steps": old["last_step"] - new["first_step"],
+            "killed_after_step": old["last_step"],
+            "restored_step": new["first_step"],
         }
 
 
