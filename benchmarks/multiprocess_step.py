@@ -63,7 +63,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-cpu-share",
         action="store_true",
-        help="also run every topology with `jddp launch --no-cpu-share` (no core shares), interleaved",
+        help="also run every topology with `jddp launch --cpu-share` (each process its cores), interleaved",
     )
     p.add_argument("--json", default=None, help="also write the per-step times to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -219,9 +219,9 @@ def launch(topology: str, args: argparse.Namespace) -> dict[str, list[float]]:
     if topology.endswith(" +env"):
         topology = topology.removesuffix(" +env")
         env.update(kv.split("=", 1) for kv in args.compare_env)
-    if topology.endswith(" no-share"):
-        topology = topology.removesuffix(" no-share")
-        flags.append("--no-cpu-share")
+    if topology.endswith(" cpu-share"):
+        topology = topology.removesuffix(" cpu-share")
+        flags.append("--cpu-share")
     procs, devices = topology.split("x")
     cmd = [sys.executable, "-m", "jddp.launch", "-n", procs, "--devices-per-process", devices, *flags]
     cmd += [__file__, "--worker"]
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compare_env:
         topologies = [t + suffix for t in topologies for suffix in ("", " +env")]
     if args.compare_cpu_share:
-        topologies = [t + suffix for t in topologies for suffix in ("", " no-share")]
+        topologies = [t + suffix for t in topologies for suffix in ("", " cpu-share")]
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:

@@ -525,10 +525,10 @@ def shares(stdout: str) -> dict[int, dict]:
     return out
 
 
-def test_each_process_gets_its_share_of_the_cores_unless_told_not_to():
+def test_with_cpu_share_each_process_gets_its_share_of_the_cores():
     cores = sorted(os.sched_getaffinity(0))
     affinity = str(multiprocess.WORKERS / "affinity.py")
-    done = multiprocess.launch("-n", "2", affinity)
+    done = multiprocess.launch("-n", "2", "--cpu-share", affinity)
     assert done.returncode == 0, done.stderr
     got = shares(done.stdout)
     assert sorted(got) == [0, 1]
@@ -538,7 +538,7 @@ def test_each_process_gets_its_share_of_the_cores_unless_told_not_to():
     for share in got.values():
         assert share["omp"] == str(len(share["cores"]))
         assert ("--xla_cpu_multi_thread_eigen=false" in share["xla_flags"]) == (len(share["cores"]) == 1)
-    done = multiprocess.launch("-n", "2", "--no-cpu-share", affinity)
+    done = multiprocess.launch("-n", "2", affinity)  # the default: processes left to the OS scheduler
     assert all(s["cores"] == cores and s["omp"] is None for s in shares(done.stdout).values())
-    done = multiprocess.launch("-n", "2", affinity, env={"OMP_NUM_THREADS": "7"})
+    done = multiprocess.launch("-n", "2", "--cpu-share", affinity, env={"OMP_NUM_THREADS": "7"})
     assert all(s["omp"] == "7" for s in shares(done.stdout).values())  # the user's own setting stays

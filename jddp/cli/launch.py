@@ -156,9 +156,10 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-malloc-tuning", action="store_true", help="do not set GLIBC_TUNABLES for the processes")
     parser.add_argument(
-        "--no-cpu-share",
+        "--cpu-share",
         action="store_true",
-        help="do not give each process its own share of the cores (affinity, XLA and OpenMP threads)",
+        help="pin each process to its own share of the cores, with OpenMP and XLA threads to match (measured "
+        "slower on a 2-core VM; see BENCHMARKS.md)",
     )
     parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="the script (or module with -m) to run")
@@ -194,7 +195,7 @@ class LaunchConfig:
     term_timeout: float = 30.0  # after a forwarded signal, seconds the processes get before SIGKILL
     peer_timeout: float | None = None  # seconds before a silent peer counts as dead (JDDP_PEER_TIMEOUT)
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
-    cpu_share: bool = True  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
+    cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
 
     def __post_init__(self) -> None:
         if self.nprocs < 1:
@@ -236,10 +237,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """
     options = dict(vars(args))  # the flags' names are the fields' names, but for these two
     target_args, no_malloc_tuning = options.pop("args"), options.pop("no_malloc_tuning")
-    no_cpu_share = options.pop("no_cpu_share")
-    return LaunchConfig(
-        target_args=tuple(target_args), malloc_tuning=not no_malloc_tuning, cpu_share=not no_cpu_share, **options
-    )
+    return LaunchConfig(target_args=tuple(target_args), malloc_tuning=not no_malloc_tuning, **options)
 
 
 def command(config: LaunchConfig) -> list[str]:
