@@ -41,7 +41,6 @@ and where it is; and exits with ``EXIT_STALLED`` (70).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
 import sys
@@ -180,23 +179,30 @@ def set_step(step: int) -> None:
     PROGRESS.step = int(step)
 
 
-@contextlib.contextmanager
-def phase(name: str):
+class phase:  # lower case: used like a function, `with jddp.phase("export"):`
     """This process is in phase ``name`` while the block runs (then back in the phase it was in).
 
     jddp's own calls mark theirs; wrap a long phase of a script's own (an evaluation of its own, a slow
     export) so the stall detector gives it up to the ceiling instead of the bound learned from steps.
+    A class, not a generator: ``dp.step`` enters one per step.
     """
-    p = PROGRESS
-    previous, since = p.phase, p.since
-    p.phase, p.since = str(name), time.monotonic()
-    try:
-        yield
-    finally:
-        if previous == "setup" and p.ticks:  # the first step is done: between jddp calls is the script's own time
+
+    __slots__ = ("name", "previous", "since")
+
+    def __init__(self, name: str):
+        self.name = str(name)
+
+    def __enter__(self) -> None:
+        p = PROGRESS
+        self.previous, self.since = p.phase, p.since
+        p.phase, p.since = self.name, time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        p = PROGRESS
+        if self.previous == "setup" and p.ticks:  # the first step is done: between jddp calls is the script's own
             p.phase, p.since = "user", time.monotonic()
         else:
-            p.phase, p.since = previous, since
+            p.phase, p.since = self.previous, self.since
 
 
 # ----------------------------------------------------------------------------------------- the published value
