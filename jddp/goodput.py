@@ -50,15 +50,12 @@ import time
 from pathlib import Path
 
 LEDGER_DIR = "goodput"
+TIMERS = ("restore_s", "compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")  # fit's own timers
+# The ledger file's float64 slots, in file order.
 SLOTS = (
     "attempt_start",
     "fit_start",
-    "restore_s",
-    "compile_s",
-    "step_s",
-    "data_wait_s",
-    "checkpoint_s",
-    "eval_s",
+    *TIMERS,
     "first_step",
     "last_step",
     "steps_run",
@@ -69,21 +66,8 @@ SLOTS = (
     "teardown_end",
     "first_step_end",
 )
-TIMERS = ("restore_s", "compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")
-PARTS = (
-    "startup_s",
-    "restore_s",
-    "compile_s",
-    "step_s",
-    "data_wait_s",
-    "checkpoint_s",
-    "eval_s",
-    "other_s",
-    "recomputed_s",
-    "lost_s",
-    "downtime_s",
-    "teardown_s",
-)
+# An attempt's account: its parts add up to its wall time (module docstring).
+PARTS = ("startup_s", *TIMERS, "other_s", "recomputed_s", "lost_s", "downtime_s", "teardown_s")
 _IMPORTED_AT = time.time()  # this process's start, as near as jddp can tell without a launcher
 _last_fit_end: float | None = None  # a second fit in the same process starts its attempt here
 
