@@ -202,10 +202,15 @@ def test_configure_checks_before_changing_anything(fresh):
     assert (s.floor_s, s.flight_dir, s.ceiling_s) == (1, "x", before.ceiling_s)
 
 
-def test_the_flight_record_holds_progress_the_group_and_every_threads_stack(fresh, tmp_path):
+def test_the_flight_record_holds_progress_the_group_and_every_threads_stack(fresh, tmp_path, monkeypatch):
+    import collections
+
+    from jddp.runtime import dispatch
+
     fresh.settings = progress.Settings(flight_dir=str(tmp_path))
     fresh.step, fresh.ticks, fresh.programs, fresh.last_done = 20, 20, 18, "train step 17"
-    fresh.pending = ["train step 18", "train step 19"]
+    pending = collections.deque([(None, "train step 18"), (None, "train step 19")])
+    monkeypatch.setattr(dispatch.DISPATCHER, "_pending", pending)
     path = progress.write_flight_record(3, "a test", {3: seen(20), 4: seen(22, waiting=True)})
     assert path == tmp_path / "flight-process-3.txt"
     text = path.read_text()

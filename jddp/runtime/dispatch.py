@@ -54,7 +54,6 @@ class Dispatcher:
         """Records ``outputs`` (never donated later) of the call just dispatched, named ``label`` in flight
         records."""
         self._pending.append((outputs, label))
-        progress.PROGRESS.pending = [name for _, name in self._pending]
 
     def drain(self) -> None:
         """Waits for every pending output."""
@@ -69,7 +68,11 @@ class Dispatcher:
         p = progress.PROGRESS
         p.programs += 1
         p.last_done = label
-        p.pending = [name for _, name in self._pending]
+
+    def in_flight(self) -> list[str]:
+        """The labels of the programs dispatched and not yet waited for (another thread may call it: ``list`` of a
+        deque copies it in one step under the GIL)."""
+        return [label for _, label in list(self._pending)]
 
 
 DISPATCHER = Dispatcher()

@@ -113,8 +113,7 @@ class Progress:
         self.last_tick: float | None = None
         self.intervals: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.programs = 0  # compiled-program calls completed (their outputs waited for)
-        self.last_done = "none"  # the last of them
-        self.pending: list[str] = []  # programs dispatched, not yet waited for
+        self.last_done = "none"  # the last of them (those in flight: dispatch.DISPATCHER.in_flight())
         self.settings = Settings()
 
     def tick(self, step: int | None = None) -> None:
@@ -270,7 +269,10 @@ def write_flight_record(
     process_id: int, reason: str, seen: dict[int, Seen], verdict_view: dict[str, str] | None = None
 ) -> Path | None:
     """Writes this process's flight record (atomically); returns its path, or None if it could not be written."""
+    from jddp.runtime import dispatch  # imports this module: here, not at the top
+
     p = PROGRESS
+    pending = dispatch.DISPATCHER.in_flight()
     lines = [
         f"jddp flight record: process {process_id}, {time.strftime('%Y-%m-%d %H:%M:%S %z')}",
         f"reason: {reason}",
@@ -278,7 +280,7 @@ def write_flight_record(
         f"step {p.step} (steps dispatched), phase {p.phase} for {time.monotonic() - p.since:.1f} s, {p.ticks} ticks",
         f"learned bound {p.bound():.1f} s from {len(p.intervals)} tick intervals{_interval_stats(p)}",
         f"compiled programs completed: {p.programs}, the last: {p.last_done}",
-        f"in flight (dispatched, not yet waited for): {', '.join(p.pending) or 'none'}",
+        f"in flight (dispatched, not yet waited for): {', '.join(pending) or 'none'}",
         "",
         "the group when the stall was judged (by the process that judged it):",
         *(f"  process {q}: {text}" for q, text in sorted((verdict_view or {}).items(), key=lambda kv: int(kv[0]))),
