@@ -33,6 +33,7 @@ class Options:
     donate: bool
     max_inflight: int
     fuse_allreduce: bool | None
+    shard_optimizer: bool = False
 
     def __post_init__(self):
         validate.check_int("accumulate_steps", self.accumulate_steps)
@@ -50,6 +51,10 @@ class Options:
         if self.fuse_allreduce is not None and not isinstance(self.fuse_allreduce, bool):
             raise ValueError(
                 f"`fuse_allreduce` must be True, False or None (automatic), got fuse_allreduce={self.fuse_allreduce!r}."
+            )
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(
+                f"`shard_optimizer` must be True or False, got shard_optimizer={self.shard_optimizer!r}."
             )
 
 

@@ -33,6 +33,9 @@ _SIGNATURE = re.compile(r":\s*\(([^()]*)\)\s*->")
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
 _MLIR_DTYPES = {"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32", "i64": "s64", "ui8": "u8", "ui16": "u16",
                 "ui32": "u32", "ui64": "u64"}  # fmt: skip
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
 
 MSG_CPU_BF16 = (
@@ -50,7 +53,9 @@ class Collective:
       computation: the HLO computation holding it (``main...`` for the entry).
       in_loop: whether it runs inside a while loop (once per iteration).
       operands: ``(dtype, shape)`` of each operand (XLA combines many leaves into one op).
-      nbytes: bytes of the result, the payload each device contributes.
+      nbytes: bytes of the result: an all-reduce's payload, a reduce-scatter's
+        slice, an all-gather's whole array.
+      group_size: the devices in each of its replica groups (None if the HLO does not say).
     """
 
     op: str
@@ -58,10 +63,24 @@ class Collective:
     in_loop: bool
     operands: tuple[tuple[str, tuple[int, ...]], ...]
     nbytes: int
+    group_size: int | None = None
 
     @property
     def dtypes(self) -> tuple[str, ...]:
         return tuple(sorted({d for d, _ in self.operands}))
+
+    @property
+    def wire_bytes(self) -> float | None:
+        """Bytes each device sends by the ring algorithm, for a group of ``n``: an all-reduce ``2 (n-1)/n`` of
+        its payload (a reduce-scatter then an all-gather), a reduce-scatter ``n - 1`` slices, an all-gather or an
+        all-to-all ``(n-1)/n`` of its result, a permute its payload. None when the group size is unknown."""
+        n = self.group_size
+        if n is None:
+            return None
+        kind = self.op.removesuffix("-start")
+        factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1, "all-gather": (n - 1) / n,
+                  "all-to-all": (n - 1) / n, "collective-permute": 1.0}[kind]  # fmt: skip
+        return factor * self.nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +118,9 @@ class CommReport:
                     (d, tuple(int(s) for s in dims.split(",") if s)) for d, dims in _ARRAY.findall(m.group(1))
                 )
                 nbytes = sum(_DTYPE_BYTES.get(d, 4) * int(np.prod(shape, dtype=np.int64)) for d, shape in operands)
-                found.append((m.group(2), computation, operands, nbytes))
+                found.append((m.group(2), computation, operands, nbytes, _group_size(line)))
         looped = _loop_computations(hlo_text, calls)
-        collectives = tuple(Collective(op, c, c in looped, ops, nb) for op, c, ops, nb in found)
+        collectives = tuple(Collective(op, c, c in looped, ops, nb, n) for op, c, ops, nb, n in found)
         lowered = _lowered_collectives(lowered_text) if lowered_text is not None else ()
         notes = ()
         if reduce_dtype is not None and np.dtype(reduce_dtype).itemsize < 4:
@@ -117,15 +136,35 @@ class CommReport:
         """The bytes moved per device by ops named ``op`` (per execution of each op)."""
         return sum(c.nbytes for c in self.collectives if c.op in (op, f"{op}-start"))
 
+    def wire_bytes(self, op: str | None = None) -> float:
+        """Bytes each device sends, by the ring algorithm (``Collective.wire_bytes``), over the ops named ``op``
+        or all ops; a reduce-scatter and an all-gather of ``S`` bytes send together what an all-reduce of ``S``
+        sends.
+
+        Raises:
+          ValueError: if an op's group size is not in the HLO.
+        """
+        chosen = [c for c in self.collectives if op is None or c.op in (op, f"{op}-start")]
+        unknown = [c.op for c in chosen if c.wire_bytes is None]
+        if unknown:
+            raise ValueError(f"The HLO does not give the replica groups of {unknown[0]}, so its wire bytes are unknown.")
+        return float(sum(c.wire_bytes or 0.0 for c in chosen))
+
     def table(self) -> str:
-        rows = [("op", "where", "operands", "dtypes", "bytes")]
+        rows = [("op", "where", "operands", "dtypes", "bytes", "group", "sent (ring)")]
         for c in self.collectives:
             where = f"{c.computation}{' (loop)' if c.in_loop else ''}"
-            rows.append((c.op, where, str(len(c.operands)), ",".join(c.dtypes), f"{c.nbytes:,}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+            sent = "?" if c.wire_bytes is None else f"{c.wire_bytes:,.0f}"
+            group = "?" if c.group_size is None else str(c.group_size)
+            rows.append((c.op, where, str(len(c.operands)), ",".join(c.dtypes), f"{c.nbytes:,}", group, sent))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"total: {len(self.collectives)} collective(s), {sum(c.nbytes for c in self.collectives):,} bytes")
+        sent = sum(c.wire_bytes or 0.0 for c in self.collectives)
+        lines.append(
+            f"total: {len(self.collectives)} collective(s), {sum(c.nbytes for c in self.collectives):,} bytes, "
+            f"{sent:,.0f} bytes sent per device"
+        )
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def __str__(self) -> str:
@@ -152,6 +191,23 @@ def _lowered_collectives(text: str) -> tuple[Collective, ...]:
         nbytes = sum(_DTYPE_BYTES.get(d, 4) * int(np.prod(shape, dtype=np.int64)) for d, shape in operands)
         found.append(Collective(m.group(1).replace("_", "-"), "lowered", False, tuple(operands), nbytes))
     return tuple(found)
+
+
+def _group_size(line: str) -> int | None:
+    """The size of a collective's replica groups, from any of XLA's three spellings (a list of groups, an iota
+    ``[groups,size]<=[...]``, or mesh axes ``mesh['a'=8,'b'=1] {'a'}``)."""
+    m = _GROUPS_LIST.search(line)
+    if m:
+        return len([d for d in m.group(1).split(",") if d])
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        return int(m.group(2))
+    m = _GROUPS_MESH.search(line)
+    if m:
+        sizes = {k.strip().strip("'"): int(v) for k, v in (a.split("=") for a in m.group(1).split(",") if "=" in a)}
+        names = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
+        return int(np.prod([sizes[a] for a in names], dtype=np.int64)) if all(a in sizes for a in names) else None
+    return None
 
 
 def _loop_computations(hlo_text: str, calls: dict[str, set[str]]) -> set[str]:

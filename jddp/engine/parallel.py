@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, comm, fused, replicas
+from jddp.engine import checks, comm, fused, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
 from jddp.runtime import dispatch, distributed, progress, watchdog
@@ -77,6 +77,13 @@ class DataParallel:
         15 ms per step). Within one process it stays off: there the fused
         buffer made the same step about 10x slower
         (``benchmarks/step_overhead.py``, ``jddp unfused`` row).
+      shard_optimizer: ZeRO-1 (PyTorch's ``ZeroRedundancyOptimizer``): each
+        device keeps ``1/N`` of the optimizer state; gradients are
+        reduce-scattered instead of all-reduced, each device updates its slice
+        and the new parameters are all-gathered (``jddp.engine.zero``; how
+        leaves are split and padded: ``jddp.runtime.layout``). The training is
+        the replicated engine's to float round-off, with the same options;
+        checkpoints restore across device counts and engines.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
@@ -105,6 +112,7 @@ class DataParallel:
         eval_fn: jt.EvalFn | None = None,
         max_inflight: int = 2,
         fuse_allreduce: bool | None = None,
+        shard_optimizer: bool = False,
     ):
         distributed.check_joined()
         if not callable(loss_fn):
@@ -116,8 +124,9 @@ class DataParallel:
                 f"`mesh` must be a jax.sharding.Mesh with an axis named {DATA!r}, got {mesh!r}; use `jddp.data_mesh()`."
             )
         self.options = checks.Options(
-            accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce
-        )
+            accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce,
+            shard_optimizer,
+        )  # fmt: skip
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
         self.num_devices = mesh.shape[DATA]
         if fuse_allreduce is None:  # the same on every process: the mesh is global
@@ -130,6 +139,10 @@ class DataParallel:
         self._device = step_lib.DeviceStep(loss_fn, optimizer, eval_fn, self.options, self.num_devices, psum)
         self._step = self._compile(self._device.local_step, donate=donate)
         self._eval = self._compile(self._device.local_eval, donate=False, out_state=False)
+        # ZeRO-1: the step program of each optimizer-state layout seen (one, unless states of several models
+        # meet this object), and the last one, found by identity: states from `step` carry the same tuple.
+        self._sharded: dict[tuple, Any] = {}
+        self._last: tuple[Any, Any] = (object(), None) if shard_optimizer else (None, self._step)
 
     def _compile(self, fn, *, donate: bool, out_state: bool = True):
         # Programs take (step, params, opt_state, model_state), the rng key data
@@ -147,6 +160,49 @@ class DataParallel:
 
     def _args(self, state: state_lib.TrainState, batch):
         return (state.step, state.params, state.opt_state, state.model_state), state.rng, batch
+
+    def _eval_args(self, state: state_lib.TrainState, batch):
+        return (state.step, state.params, None, state.model_state), state.rng, batch  # no optimizer state to move
+
+    def _program(self, state: state_lib.TrainState):
+        """The step program for ``state``'s optimizer layout, checked against this engine's the first time."""
+        layout = state.opt_layout
+        if layout is self._last[0]:
+            return self._last[1]
+        if not self.options.shard_optimizer:
+            if layout is not None:
+                raise ValueError(
+                    "`state` holds sharded optimizer state (from a DataParallel with shard_optimizer=True), but this "
+                    "DataParallel keeps it replicated. Use the same engine, or save the state with a "
+                    "jddp.Checkpointer and restore it into this engine's `init` state: checkpoints move between them."
+                )
+            program = self._step
+        else:
+            program = self._sharded.get(layout)  # pyright: ignore[reportArgumentType]
+            if program is None:
+                expected = zero.opt_layouts(self.optimizer, state.params, self.num_devices)
+                if layout != expected:
+                    raise ValueError(self._layout_error(layout, expected))
+                treedef = jax.tree.structure(state.opt_state)
+                program = zero.step_program(self._device, self.mesh, expected, treedef, donate=self.options.donate)
+                self._sharded[expected] = program
+        self._last = (layout, program)
+        return program
+
+    def _layout_error(self, layout, expected) -> str:
+        if layout is None:
+            return (
+                "`state` holds replicated optimizer state (from a DataParallel with shard_optimizer=False), but this "
+                "DataParallel shards it (shard_optimizer=True). Use the same engine, or save the state with a "
+                "jddp.Checkpointer and restore it into this engine's `init` state: checkpoints move between them."
+            )
+        differ = next((i for i, (a, b) in enumerate(zip(layout, expected, strict=False)) if a != b), None)
+        where = "" if differ is None else f" (leaf {differ}: {layout[differ]} here, {expected[differ]} expected)"
+        return (
+            f"`state.opt_state` is laid out for another model or device count{where}; this DataParallel splits it "
+            f"over {self.num_devices} devices. Build the state with this object's `init`, or restore a checkpoint "
+            "into it: a jddp.Checkpointer restores sharded state onto any device count."
+        )
 
     # ----------------------------------------------------------------- init
 
@@ -185,13 +241,20 @@ class DataParallel:
         params, model_state, key = replicas.broadcast_from_process_0((params, model_state, key))
         put = functools.partial(replicas.put_replicated, sharding=self._rep)
         params = jax.tree.map(put, params)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=self._rep)(params)
+        layout = None
+        if self.options.shard_optimizer:
+            layout = zero.opt_layouts(self.optimizer, params, self.num_devices)
+            treedef = jax.tree.structure(jax.eval_shape(self.optimizer.init, params))
+            opt_state = zero.init_program(self.optimizer, layout, treedef, self.mesh)(params)
+        else:
+            opt_state = jax.jit(self.optimizer.init, out_shardings=self._rep)(params)
         state = state_lib.TrainState(
             step=put(np.zeros((), np.int32)),
             params=params,
             opt_state=opt_state,
             model_state=jax.tree.map(put, model_state),
             rng=put(key),
+            opt_layout=layout,
         )
         replicas.assert_same_on_every_process(state, "state")
         return state
@@ -220,21 +283,22 @@ class DataParallel:
           NonFiniteError: with ``nonfinite="raise"``, after a skipped update.
         """
         checks.check_call(self, state, batch)
+        program = self._program(state)
         if step_lib.leading_size(batch) == 0:
             return self._empty_step(state)
-        dispatch.DISPATCHER.before(self._step, self.options.max_inflight)
+        dispatch.DISPATCHER.before(program, self.options.max_inflight)
         number = progress.PROGRESS.step
         with (
-            progress.phase("compile" if dispatch.DISPATCHER.first_call(self._step) else "step"),
+            progress.phase("compile" if dispatch.DISPATCHER.first_call(program) else "step"),
             watchdog.waiting(),  # on CPU the call may run the program, and its collectives, before it returns
             checks.user_code(
                 self.loss_fn, "DataParallel.step", batch, state.params, self.num_devices, self.options.accumulate_steps
             ),
         ):
-            (step, params, opt_state, model_state), packed = self._step(*self._args(state, batch))
+            (step, params, opt_state, model_state), packed = program(*self._args(state, batch))
         dispatch.DISPATCHER.after(packed, f"train step {number}")
         progress.heartbeat(number + 1)
-        state = state_lib.TrainState(step, params, opt_state, model_state, state.rng)
+        state = state_lib.TrainState(step, params, opt_state, model_state, state.rng, state.opt_layout)
         metrics = metrics_lib.Metrics(self._device.names["step"], packed)
         if self.options.nonfinite == "raise" and metrics["nonfinite"]:
             step = int(state.step) - 1
@@ -254,7 +318,7 @@ class DataParallel:
             names = ("loss", "examples") if self.options.clip_grad_norm is None else ("loss", "examples", "grad_norm")
         packed = jax.device_put(np.zeros(len(names), np.float32), self._rep)
         step = jax.jit(lambda s: s + 1, out_shardings=self._rep)(state.step)
-        new_state = state_lib.TrainState(step, state.params, state.opt_state, state.model_state, state.rng)
+        new_state = state.replace(step=step)
         progress.heartbeat(progress.PROGRESS.step + 1)
         return new_state, metrics_lib.Metrics(names, packed)
 
@@ -280,7 +344,7 @@ class DataParallel:
             watchdog.waiting(),
             checks.user_code(fn, "DataParallel.eval_step", batch, state.params, self.num_devices),
         ):
-            packed = self._eval(*self._args(state, batch))
+            packed = self._eval(*self._eval_args(state, batch))
         dispatch.DISPATCHER.after(packed, "eval step")
         progress.heartbeat()
         return metrics_lib.Metrics(self._device.names["eval"], packed)
@@ -327,7 +391,7 @@ class DataParallel:
         Compiling for the report does not run the step or touch ``state``.
         """
         checks.check_call(self, state, batch)
-        lowered = self._step.lower(*self._args(state, batch))
+        lowered = self._program(state).lower(*self._args(state, batch))
         hlo = lowered.compile().as_text()
         if hlo is None:
             raise RuntimeError("The backend gives no compiled HLO text, so the step's collectives cannot be listed.")

@@ -23,6 +23,7 @@ from jddp import runtime
 from jddp import typing as jt
 from jddp.engine import checks, reduce, varying
 from jddp.runtime import packing
+from jddp.runtime.layout import LeafLayout
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
@@ -43,30 +44,59 @@ class DeviceStep:
     names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def local_step(self, train: Train, rng: jax.Array, batch):
-        opts = self.options
+        state, grads, model_state, sums = self._local(train, rng, batch)
+        # The one all-reduce: gradients, loss/metric totals, counts and any
+        # model state still varying, summed together (XLA emits one op; across CPU
+        # processes `fused_psum` makes it one buffer per dtype, so one pass of the ring).
+        synced, varying_state, unflatten_state = varying.split_varying(model_state)
+        grads_sum, sums, synced_sum = self.psum((self._wire(grads), sums, varying_state), DATA)
+        model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
+        return self._apply(state, grads_sum, sums, model_state)
+
+    def local_scatter(self, train: Train, rng: jax.Array, batch, layouts: list[LeafLayout]):
+        """ZeRO-1's device part: the gradients reduce-scattered, each leaf along its layout's dimension (padded
+        to it first), so that each device receives the sum of its slice only; everything else all-reduced as in
+        ``local_step``. Returns the stored-shape gradient slices, the sums and the synchronised model state; the
+        update runs outside ``shard_map`` (``jddp.engine.zero``)."""
+        _, grads, model_state, sums = self._local(train, rng, batch)
+        synced, varying_state, unflatten_state = varying.split_varying(model_state)
+        leaves, treedef = jax.tree.flatten(self._wire(grads))
+        whole = [g for g, layout in zip(leaves, layouts, strict=True) if layout.axis is None]
+        sums, synced_sum, whole = self.psum((sums, varying_state, whole), DATA)
+        whole = iter(whole)
+        out = [
+            next(whole)
+            if layout.axis is None
+            else lax.psum_scatter(layout.pad(g), DATA, scatter_dimension=layout.axis, tiled=True)
+            for g, layout in zip(leaves, layouts, strict=True)
+        ]
+        model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
+        return jax.tree.unflatten(treedef, out), sums, model_state
+
+    def _local(self, train: Train, rng: jax.Array, batch):
+        """This device's gradients of the loss total, its model state and its sums (loss, count, metrics)."""
         state = state_lib.TrainState(*train, rng)
         batch = unpacked(batch)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         key = jax.random.fold_in(key, lax.axis_index(DATA))
         params_v = jax.tree.map(varying.varying, state.params)
-        if opts.accumulate_steps == 1:
+        if self.options.accumulate_steps == 1:
             grads, model_state, sums = self._local_grads(params_v, state.model_state, batch, key)
         else:
             grads, model_state, sums = self._accumulate(params_v, state.model_state, batch, key)
+        return state, grads, model_state, sums
 
-        # The one all-reduce: gradients, loss/metric totals, counts and any
-        # model state still varying, summed together (XLA emits one op; across CPU
-        # processes `fused_psum` makes it one buffer per dtype, so one pass of the ring).
-        synced, varying_state, unflatten_state = varying.split_varying(model_state)
-        wire = opts.reduce_dtype
-        grads_wire = grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
-        grads_sum, sums, synced_sum = self.psum((grads_wire, sums, varying_state), DATA)
-        model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
+    def _wire(self, grads):
+        """The gradients in the dtype they are summed in (``reduce_dtype``, else their own)."""
+        wire = self.options.reduce_dtype
+        return grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
 
-        return self._apply(state, grads_sum, sums, model_state)
+    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state, place_updates=None):
+        """The optimizer update from the all-reduced sums, identical on every replica.
 
-    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state):
-        """The optimizer update from the all-reduced sums, identical on every replica."""
+        ``place_updates`` (ZeRO-1, outside ``shard_map``) pins the optimizer's updates to the gradients'
+        sharding, so that XLA updates each slice where it lives and all-gathers the new parameters once.
+        """
         opts = self.options
         loss_w, examples, aux = sums
         loss = reduce.safe_divide(loss_w.total, loss_w.weight)
@@ -86,6 +116,8 @@ class DeviceStep:
             grads_sum, params, opt_state, model_state, _ = operands
             grads = jax.tree.map(lambda s, p: mean_of(s, p.dtype, scale), grads_sum, params)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            if place_updates is not None:
+                updates = place_updates(updates)
             return optax.apply_updates(params, updates), opt_state, model_state
 
         def skip(operands):

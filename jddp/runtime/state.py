@@ -7,6 +7,7 @@ import dataclasses
 import jax
 
 from jddp import typing as jt
+from jddp.runtime.layout import LeafLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,11 @@ class TrainState:
         statistics); ``{}`` when the model has none.
       rng: ``uint32[2]`` raw key data (``jax.random.key_data``) of the base key;
         step ``s`` on device ``d`` uses ``fold_in(fold_in(key, s), d)``.
+      opt_layout: not a leaf: ``None`` when ``opt_state`` is replicated; with
+        ``DataParallel(shard_optimizer=True)``, one ``jddp.runtime.layout.LeafLayout``
+        per leaf of ``opt_state`` (its logical shape, the dimension split over
+        ``"data"`` and that dimension's padding), so that a checkpoint records
+        logical shapes and restores onto other device counts.
     """
 
     step: jax.Array
@@ -28,6 +34,7 @@ class TrainState:
     opt_state: jt.PyTree
     model_state: jt.ModelState
     rng: jax.Array
+    opt_layout: tuple[LeafLayout, ...] | None = None
 
     def replace(self, **changes) -> TrainState:
         """A copy with ``changes`` applied (``dataclasses.replace``)."""
@@ -37,5 +44,5 @@ class TrainState:
 jax.tree_util.register_dataclass(
     TrainState,
     data_fields=["step", "params", "opt_state", "model_state", "rng"],
-    meta_fields=[],
+    meta_fields=["opt_layout"],
 )
