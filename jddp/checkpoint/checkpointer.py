@@ -230,6 +230,7 @@ class Checkpointer:
             self._manager.check_for_errors()  # a background write that has failed by now
         start = time.perf_counter()
         tree = restore.as_dict(state)
+        layouts = digest.leaf_layouts(state)
         step = int(jax.device_get(state.step))
         self._step = step
         # Saved already (a resumed run's final save): skip on every process if any process sees the step, so
@@ -245,7 +246,8 @@ class Checkpointer:
             "config_fingerprint": self.fingerprint,
             "config": self.config,
             "versions": {"jddp": __version__, "jax": jax.__version__, "orbax": _orbax_version()},
-            "leaves": digest.describe_leaves(tree),
+            "leaves": digest.describe_leaves(tree, layouts),  # logical shapes: a sharded state's padding varies
+            "padded": any(lay is not None and lay.padded for lay in layouts),
             "digests": concurrent.futures.Future(),  # set below; read by MetaHandler in the background
             "time": time.time(),
         }
@@ -259,16 +261,16 @@ class Checkpointer:
         self._unconfirmed.append(step)
         try:
             if self._writer is not None and handoff.on_cpu(saved):
-                digests.set_result(digest.digest_array(tree))
+                digests.set_result(digest.digest_array(tree, layouts))
                 pins = handoff.pin(saved)
                 self._pending = self._writer.submit(self._hand_over, step, ocp.args.Composite(**items), pins)
             else:
                 if not self._options.enable_async_checkpointing:
-                    digests.set_result(digest.digest_array(tree))
+                    digests.set_result(digest.digest_array(tree, layouts))
                 with self._write_errors():
                     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
                 if not digests.done():
-                    digests.set_result(digest.digest_array(tree))  # dispatched before any later step can donate `tree`
+                    digests.set_result(digest.digest_array(tree, layouts))  # dispatched before any later step can donate `tree`
         except BaseException as error:
             if not digests.done():  # never leave Orbax's background write waiting
                 digests.set_exception(error)

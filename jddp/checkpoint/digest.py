@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -21,39 +22,93 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jddp.runtime import checksum
+from jddp.runtime.layout import LeafLayout
 
 # Dataclass field metadata key: a field with ``metadata={FINGERPRINT: False}`` (``jddp.config.run_field``) is left
 # out of the config fingerprint, so that run settings (devices, log and checkpoint paths) may change on resume.
 FINGERPRINT = "fingerprint"
 
 
-@jax.jit
-def _digests(leaves: list[jax.Array]) -> jax.Array:
-    return jnp.stack([checksum.leaf_checksum(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+@functools.partial(jax.jit, static_argnums=1)
+def _digests(leaves: list[jax.Array], layouts: tuple[LeafLayout | None, ...]) -> jax.Array:
+    if not leaves:
+        return jnp.zeros((0, 2), jnp.uint32)
+    # A padded leaf is digested without its padding (sliced in this program: no data moves), so that a digest
+    # does not depend on the device count the state was split over.
+    return jnp.stack([checksum.leaf_checksum(x if lay is None else lay.unpad(x)) for x, lay in zip(leaves, layouts)])
 
 
-def digest_array(tree) -> jax.Array:
+def digest_array(tree, layouts: list[LeafLayout | None] | None = None) -> jax.Array:
     """Per-leaf digests of ``tree`` as a uint32 [leaves, 2] array, dispatched asynchronously.
 
     A replicated leaf is digested once, on the device of its first local copy.
+
+    Args:
+      tree: a pytree of arrays.
+      layouts: per leaf, the ``LeafLayout`` it is stored with, or None (``leaf_layouts``); a padded leaf is
+        digested as its logical value.
     """
-    leaves = [x.addressable_shards[0].data if x.is_fully_replicated else x for x in jax.tree.leaves(tree)]
-    return _digests(leaves)
+    leaves = jax.tree.leaves(tree)
+    layouts = list(layouts) if layouts is not None else [None] * len(leaves)
+    whole = [i for i, x in enumerate(leaves) if x.is_fully_replicated]
+    split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]
+    if not split:
+        return _digests([leaves[i].addressable_shards[0].data for i in whole], (None,) * len(whole))
+    # Leaves split over the devices (ZeRO-1's optimizer state) are digested where they live, in one program;
+    # its replicated result joins the others' on one local device.
+    parts = _digests([leaves[i] for i in split], tuple(layouts[i] for i in split)).addressable_shards[0].data
+    if not whole:
+        return parts
+    local = leaves[whole[0]].addressable_shards[0].data
+    parts = jax.device_put(parts, next(iter(local.devices())))
+    order = np.argsort(np.asarray(whole + split))
+    return _merge(_digests([leaves[i].addressable_shards[0].data for i in whole], (None,) * len(whole)), parts, order)
+
+
+@jax.jit
+def _merge(first: jax.Array, second: jax.Array, order) -> jax.Array:
+    return jnp.concatenate([first, second])[order]
 
 
 def as_hex(digests) -> list[str]:
     return [f"{int(a):08x}{int(b):08x}" for a, b in np.asarray(digests)]
 
 
-def state_digests(tree) -> list[str]:
-    """One 64-bit hex digest per leaf of ``tree``."""
-    return as_hex(jax.device_get(digest_array(tree)))
+def state_digests(tree, layouts: list[LeafLayout | None] | None = None) -> list[str]:
+    """One 64-bit hex digest per leaf of ``tree`` (of its logical value, given ``layouts``)."""
+    return as_hex(jax.device_get(digest_array(tree, layouts)))
 
 
-def describe_leaves(tree) -> list[list]:
+def describe_leaves(tree, layouts: list[LeafLayout | None] | None = None) -> list[list]:
+    """``[path, shape, dtype]`` per leaf; the logical shape of a leaf stored with a layout."""
+    layouts = layouts if layouts is not None else [None] * len(jax.tree.leaves(tree))
     return [
-        [jax.tree_util.keystr(path), list(np.shape(x)), str(x.dtype)] for path, x in jax.tree.leaves_with_path(tree)
+        [jax.tree_util.keystr(path), list(np.shape(x) if lay is None else lay.shape), str(x.dtype)]
+        for (path, x), lay in zip(jax.tree.leaves_with_path(tree), layouts, strict=True)
     ]
+
+
+def leaf_layouts(state) -> list[LeafLayout | None]:
+    """Per leaf of ``restore.as_dict(state)`` (in flattening order), its ``LeafLayout`` when ``state`` keeps a
+    sharded optimizer state, else None."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "opt_layout"}
+    count = len(jax.tree.leaves(fields))
+    if state.opt_layout is None:
+        return [None] * count
+    marks = {k: jax.tree.map(lambda _: _WHOLE, v) for k, v in fields.items()}
+    opt_leaves, opt_def = jax.tree.flatten(fields["opt_state"])
+    if len(opt_leaves) != len(state.opt_layout):
+        raise ValueError(
+            f"`state.opt_layout` describes {len(state.opt_layout)} leaves, but `state.opt_state` has "
+            f"{len(opt_leaves)}; the state was not built by DataParallel.init or a step."
+        )
+    marks["opt_state"] = jax.tree.unflatten(opt_def, list(state.opt_layout))
+    found = [None if x is _WHOLE else x for x in jax.tree.leaves(marks)]
+    assert len(found) == count, (len(found), count)
+    return found
+
+
+_WHOLE = object()  # a leaf stored as it is
 
 
 def config_fingerprint(config: Any) -> tuple[str, dict[str, Any]]:

@@ -21,7 +21,8 @@ DAMAGED_SUFFIX = ".damaged"
 
 
 def as_dict(state: TrainState) -> dict[str, Any]:
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    """The state's arrays by field (``opt_layout``, which describes them, is not an array)."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "opt_layout"}
 
 
 def read_meta(directory, step: int) -> tuple[dict | None, str | None]:
@@ -36,7 +37,7 @@ def read_meta(directory, step: int) -> tuple[dict | None, str | None]:
 
 def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
     """Raises if the checkpoint holds another model or (unless allowed) another config: an error, not damage."""
-    mine = digest.describe_leaves(as_dict(state))
+    mine = digest.describe_leaves(as_dict(state), digest.leaf_layouts(state))
     theirs = meta.get("leaves", [])
     differ = [(a, b) for a, b in zip(theirs, mine, strict=False) if a != b]
     differ.sort(key=lambda pair: not pair[1][0].startswith("['params']"))  # name a parameter first
@@ -71,8 +72,12 @@ def try_restore(
     """``((state, loader position or None, extra state or None, step), None)``, or ``(None, why the step is
     damaged)``."""
     target = as_dict(state)
+    layouts = digest.leaf_layouts(state)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
-    items: dict[str, ocp.args.CheckpointArgs] = {STATE: ocp.args.StandardRestore(abstract)}
+    # A sharded optimizer state pads leaves to a multiple of its device count (`jddp.runtime.layout`): Orbax then
+    # truncates or zero-pads the stored padding to this state's (the logical shapes were compared before).
+    padded = bool(meta.get("padded")) or any(lay is not None and lay.padded for lay in layouts)
+    items: dict[str, ocp.args.CheckpointArgs] = {STATE: ocp.args.StandardRestore(abstract, strict=not padded)}
     has_loader = (directory / str(step) / LOADER).exists()
     if loader is not None and has_loader:
         items[LOADER] = ocp.args.JsonRestore()
@@ -93,11 +98,11 @@ def try_restore(
         if failure is not None:
             gc.collect()  # the error and its frames are gone: Orbax's leftovers go now, under the filter
             return None, failure
-    digests = digest.state_digests(tree)
+    digests = digest.state_digests(tree, layouts)
     bad = [d[0] for d, got, want in zip(meta["leaves"], digests, meta["digests"], strict=True) if got != want]
     if bad:
         return None, f"digest mismatch in {len(bad)} leaf(s), first {bad[0]}"
-    new_state = TrainState(**tree)
+    new_state = TrainState(**tree, opt_layout=state.opt_layout)
     found = {k: result[k] if k in items else None for k in (LOADER, EXTRA)}
     return (new_state, found[LOADER], found[EXTRA], step), None
 
