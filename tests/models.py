@@ -157,6 +157,32 @@ def eqx_model() -> Model:
     return Model(models.eqx_loss(static, fn), eqx_loss_fn, params, model_state)
 
 
+def odd() -> Model:
+    """An MLP none of whose widths 8 divides (12 -> 20 -> 5): every optimizer-state leaf is padded on 8 devices."""
+    rng = np.random.default_rng(3)
+    params = {
+        "w1": (rng.normal(size=(12, 20)) / np.sqrt(12)).astype(np.float32),
+        "b1": np.zeros(20, np.float32),
+        "w2": (rng.normal(size=(20, 5)) / np.sqrt(20)).astype(np.float32),
+        "b2": np.zeros(5, np.float32),
+    }
+
+    def loss_fn(params, model_state, batch, rng):
+        h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+        loss, metrics = classification(h @ params["w2"] + params["b2"][None, :], batch)
+        return loss, (model_state, metrics)
+
+    return Model(loss_fn, loss_fn, params, {})
+
+
+def uneven_mask(n: int, seed: int, devices: int) -> np.ndarray:
+    """Real examples spread unevenly over ``devices``: the first device's slice all padding, the others a random
+    part."""
+    mask = (np.random.default_rng(100 + seed).random(n) < 0.6).astype(np.float32)
+    mask[: n // devices] = 0
+    return mask
+
+
 FACTORIES = {"pytree": pytree, "linen": linen, "nnx": nnx_model, "equinox": eqx_model}
 
 
@@ -192,3 +218,8 @@ def pmap_sgd(model: Model, batches: list[dict], lr: float, n: int):
         params, model_state = pstep(params, model_state, split)
         jax.block_until_ready(params)
     return jax.tree.map(lambda x: np.asarray(x[0]), params), jax.tree.map(lambda x: np.asarray(x[0]), model_state)
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """A pytree's leaves as host arrays by key path (for ``np.savez``)."""
+    return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree.leaves_with_path(tree)}

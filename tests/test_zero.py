@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import jddp
 from jddp.engine import zero
 from jddp.runtime import dispatch, layout
-from tests import models
+from tests import models, multiprocess
 
 N = 8
 max_diff = models.max_diff
@@ -24,33 +26,8 @@ def mesh():
     return jddp.data_mesh()
 
 
-def odd_model() -> models.Model:
-    """An MLP none of whose widths 8 divides (12 -> 20 -> 5): every optimizer-state leaf is padded on 8 devices."""
-    rng = np.random.default_rng(3)
-    params = {
-        "w1": (rng.normal(size=(12, 20)) / np.sqrt(12)).astype(np.float32),
-        "b1": np.zeros(20, np.float32),
-        "w2": (rng.normal(size=(20, 5)) / np.sqrt(20)).astype(np.float32),
-        "b2": np.zeros(5, np.float32),
-    }
-
-    def loss_fn(params, model_state, batch, rng):
-        h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
-        loss, metrics = models.classification(h @ params["w2"] + params["b2"][None, :], batch)
-        return loss, (model_state, metrics)
-
-    return models.Model(loss_fn, loss_fn, params, {})
-
-
-def uneven_mask(n: int, seed: int) -> np.ndarray:
-    """Real examples spread unevenly: the first device's slice all padding, the others a random part."""
-    mask = (np.random.default_rng(100 + seed).random(n) < 0.6).astype(np.float32)
-    mask[: n // N] = 0
-    return mask
-
-
-def batches(count: int, n: int = 64, masked: bool = True) -> list[dict]:
-    return [models.batch(n, seed, uneven_mask(n, seed) if masked else None) for seed in range(count)]
+def batches(count: int, n: int = 64, masked: bool = True, devices: int = N) -> list[dict]:
+    return [models.batch(n, seed, models.uneven_mask(n, seed, devices) if masked else None) for seed in range(count)]
 
 
 def train(dp, model, data, state=None):
@@ -78,7 +55,7 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("accumulate", [1, 4], ids=["whole", "accumulate4"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS), ids=list(OPTIMIZERS))
-@pytest.mark.parametrize("make", [models.pytree, odd_model, models.linen], ids=["pytree", "odd", "linen-bn"])
+@pytest.mark.parametrize("make", [models.pytree, models.odd, models.linen], ids=["pytree", "odd", "linen-bn"])
 def test_equals_replicated_engine_after_20_steps(mesh, make, name, accumulate):
     """Params, optimizer state, model state (BatchNorm statistics) and every metric of 20 steps within 1e-6."""
     model = make()
@@ -148,7 +125,7 @@ def test_layout_choice():
 
 
 def test_state_is_split_and_padded_as_laid_out(mesh):
-    model = odd_model()
+    model = models.odd()
     dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=True)
     state = dp.init(model.params)
     mu = state.opt_state[0].mu
@@ -170,9 +147,7 @@ def test_optimizer_state_bytes_per_device_fall_as_one_over_n():
     total = 2 * sum(x.nbytes for x in params.values())  # AdamW's two moments; plus its int32 step count
     measured = {}
     for n in (1, 2, 4, 8):
-        dp = jddp.DataParallel(
-            loss_fn, optax.adamw(1e-3), mesh=jddp.data_mesh(jax.devices()[:n]), shard_optimizer=True
-        )
+        dp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=jddp.data_mesh(jax.devices()[:n]), shard_optimizer=True)
         per_device = zero.state_bytes(dp.init(params).opt_state)
         assert len(per_device) == n and len(set(per_device.values())) == 1
         measured[n] = next(iter(per_device.values()))
@@ -186,7 +161,7 @@ def test_comm_report_reduce_scatter_and_all_gather_send_the_all_reduce_bytes(mes
     ring bytes (the scalars' all-reduce aside)."""
     rng = np.random.default_rng(0)
     params = {"w1": rng.normal(size=(12, 16)).astype(np.float32), "w2": rng.normal(size=(16, 8)).astype(np.float32)}
-    loss_fn = lambda p, ms, b, r: (jddp.masked_mean(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]), (ms, {}))  # noqa: E731
+    loss_fn = lambda p, ms, b, r: (jddp.masked_mean(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]), (ms, {}))
     batch = {"x": rng.normal(size=(64, 12)).astype(np.float32)}
     grad_bytes = sum(x.nbytes for x in params.values())
     reports = {}
@@ -212,10 +187,10 @@ def test_comm_report_reduce_scatter_and_all_gather_send_the_all_reduce_bytes(mes
 def test_checkpoint_restores_onto_two_devices_and_into_the_replicated_engine(mesh, tmp_path):
     """Saved split over 8 devices (padded leaves included); restored onto 2 devices and into the replicated
     engine; each continues the uninterrupted run's trajectory within 1e-6. And back: replicated to split."""
-    model = odd_model()
+    model = models.odd()
     data = batches(20, n=48)  # 48 examples: every device count here divides it
-    optimizer = lambda: optax.adamw(3e-3, weight_decay=0.1)  # noqa: E731
-    engine = lambda shard, n: jddp.DataParallel(  # noqa: E731
+    optimizer = lambda: optax.adamw(3e-3, weight_decay=0.1)
+    engine = lambda shard, n: jddp.DataParallel(
         model.loss_fn, optimizer(), mesh=jddp.data_mesh(jax.devices()[:n]), shard_optimizer=shard, clip_grad_norm=0.5
     )
     whole, _ = train(engine(True, 8), model, data)
@@ -276,7 +251,7 @@ def test_no_recompilation_donation_and_eval(mesh):
     dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=True)
     state = dp.init(model.params)
     compiles = []
-    listener = lambda event, duration, **kw: (  # noqa: E731
+    listener = lambda event, duration, **kw: (
         compiles.append(event) if event.endswith("backend_compile_duration") else None
     )
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -292,7 +267,7 @@ def test_no_recompilation_donation_and_eval(mesh):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert first >= 1 and len(compiles) == first
     rep = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh)
-    b = models.batch(64, 9, mask=uneven_mask(64, 9))
+    b = models.batch(64, 9, mask=models.uneven_mask(64, 9, N))
     rep_state = rep.init(model.params)
     rep_state = rep_state.replace(params=jax.tree.map(lambda x: x + 0, state.params))
     assert dp.eval_step(state, b)["loss"] == pytest.approx(rep.eval_step(rep_state, b)["loss"], abs=1e-6)
@@ -304,12 +279,48 @@ def test_states_of_the_other_engine_or_device_count_are_refused(mesh):
     b = models.batch(64)
     sharded = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=True)
     replicated = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh)
-    with pytest.raises(ValueError, match="holds replicated optimizer state.*shard_optimizer=True.*Checkpointer"):
+    with pytest.raises(ValueError, match=r"holds replicated optimizer state.*shard_optimizer=True.*Checkpointer"):
         sharded.step(replicated.init(model.params), b)
-    with pytest.raises(ValueError, match="holds sharded optimizer state.*Checkpointer"):
+    with pytest.raises(ValueError, match=r"holds sharded optimizer state.*Checkpointer"):
         replicated.step(sharded.init(model.params), b)
     other = jddp.DataParallel(model.loss_fn, optax.sgd(0.1, momentum=0.9), mesh=mesh, shard_optimizer=True)
-    with pytest.raises(ValueError, match="laid out for another model or device count.*leaf 0"):
+    with pytest.raises(ValueError, match=r"laid out for another model or device count.*leaf 0"):
         other.step(sharded.init(model.params), b)
     with pytest.raises(ValueError, match="shard_optimizer=1"):
         jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=1)  # type: ignore[arg-type]
+
+
+def test_two_processes_of_two_devices(mesh, tmp_path):
+    """2 processes x 2 devices: ZeRO-1 equals the replicated engine within 1e-6 there (SGD momentum, AdamW with
+    clipping; uneven masks; accumulate_steps 1 and 4), and equals this process's 8-device run. Its checkpoint,
+    saved split over 4 devices of 2 processes, restores onto 8 devices of 1 process, split and replicated, and
+    continues the 8-device trajectory within 1e-6."""
+    multiprocess.run(str(multiprocess.WORKERS / "zero.py"), 2, 2, str(tmp_path), timeout=600)
+    reports = [json.loads((tmp_path / f"zero-{rank}.json").read_text()) for rank in range(2)]
+    assert reports[0] == reports[1]  # the same decision and values on both processes
+    assert set(reports[0]) == {"sgd-momentum-1", "sgd-momentum-4", "adamw-clip-1", "adamw-clip-4"}
+    for key, r in reports[0].items():
+        assert r["moved"] > 1e-2 and r["params"] < 1e-6 and r["metrics"] < 1e-5, (key, r)
+    model = models.odd()
+    data = batches(20, n=96, devices=4)  # the worker's batches: its first device's 24 rows all padding
+    there = np.load(tmp_path / "params.npz")
+    optimizers = {"sgd-momentum": (OPTIMIZERS["sgd-momentum"], None), "adamw-clip": (OPTIMIZERS["adamw-clip"], 0.5)}
+    for key in reports[0]:
+        name, accumulate = key.rsplit("-", 1)
+        make, clip = optimizers[name]
+        dp = jddp.DataParallel(
+            model.loss_fn, make(), mesh=mesh, accumulate_steps=int(accumulate), clip_grad_norm=clip,
+            shard_optimizer=True,
+        )  # fmt: skip
+        here = models.flat(train(dp, model, data)[0].params)
+        assert max(float(np.max(np.abs(here[k] - there[f"{key}/{k}"]))) for k in here) < 1e-6, key
+    make, clip = optimizers["adamw-clip"]
+    whole, _ = train(jddp.DataParallel(model.loss_fn, make(), mesh=mesh, clip_grad_norm=clip, shard_optimizer=True),
+                     model, data)  # fmt: skip
+    for shard in (True, False):
+        dp = jddp.DataParallel(model.loss_fn, make(), mesh=mesh, clip_grad_norm=clip, shard_optimizer=shard)
+        with jddp.Checkpointer(tmp_path / "ckpt") as ckpt:
+            restored = ckpt.restore_or_init(dp.init(model.params, rng=0))
+        assert int(restored.step) == 10
+        resumed, _ = train(dp, model, data[10:], restored)
+        assert max_diff(resumed.params, whole.params) < 1e-6, shard

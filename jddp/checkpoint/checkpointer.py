@@ -270,7 +270,8 @@ class Checkpointer:
                 with self._write_errors():
                     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
                 if not digests.done():
-                    digests.set_result(digest.digest_array(tree, layouts))  # dispatched before any later step can donate `tree`
+                    # dispatched before any later step can donate `tree`
+                    digests.set_result(digest.digest_array(tree, layouts))
         except BaseException as error:
             if not digests.done():  # never leave Orbax's background write waiting
                 digests.set_exception(error)

@@ -35,7 +35,8 @@ def _digests(leaves: list[jax.Array], layouts: tuple[LeafLayout | None, ...]) ->
         return jnp.zeros((0, 2), jnp.uint32)
     # A padded leaf is digested without its padding (sliced in this program: no data moves), so that a digest
     # does not depend on the device count the state was split over.
-    return jnp.stack([checksum.leaf_checksum(x if lay is None else lay.unpad(x)) for x, lay in zip(leaves, layouts)])
+    logical = [x if lay is None else lay.unpad(x) for x, lay in zip(leaves, layouts, strict=True)]
+    return jnp.stack([checksum.leaf_checksum(x) for x in logical])
 
 
 def digest_array(tree, layouts: list[LeafLayout | None] | None = None) -> jax.Array:
@@ -49,14 +50,14 @@ def digest_array(tree, layouts: list[LeafLayout | None] | None = None) -> jax.Ar
         digested as its logical value.
     """
     leaves = jax.tree.leaves(tree)
-    layouts = list(layouts) if layouts is not None else [None] * len(leaves)
+    stored: list[LeafLayout | None] = list(layouts) if layouts is not None else [None] * len(leaves)
     whole = [i for i, x in enumerate(leaves) if x.is_fully_replicated]
     split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]
     if not split:
         return _digests([leaves[i].addressable_shards[0].data for i in whole], (None,) * len(whole))
     # Leaves split over the devices (ZeRO-1's optimizer state) are digested where they live, in one program;
     # its replicated result joins the others' on one local device.
-    parts = _digests([leaves[i] for i in split], tuple(layouts[i] for i in split)).addressable_shards[0].data
+    parts = _digests([leaves[i] for i in split], tuple(stored[i] for i in split)).addressable_shards[0].data
     if not whole:
         return parts
     local = leaves[whole[0]].addressable_shards[0].data
@@ -81,10 +82,10 @@ def state_digests(tree, layouts: list[LeafLayout | None] | None = None) -> list[
 
 def describe_leaves(tree, layouts: list[LeafLayout | None] | None = None) -> list[list]:
     """``[path, shape, dtype]`` per leaf; the logical shape of a leaf stored with a layout."""
-    layouts = layouts if layouts is not None else [None] * len(jax.tree.leaves(tree))
+    stored: list[LeafLayout | None] = list(layouts) if layouts is not None else [None] * len(jax.tree.leaves(tree))
     return [
         [jax.tree_util.keystr(path), list(np.shape(x) if lay is None else lay.shape), str(x.dtype)]
-        for (path, x), lay in zip(jax.tree.leaves_with_path(tree), layouts, strict=True)
+        for (path, x), lay in zip(jax.tree.leaves_with_path(tree), stored, strict=True)
     ]
 
 

@@ -53,9 +53,7 @@ class Options:
                 f"`fuse_allreduce` must be True, False or None (automatic), got fuse_allreduce={self.fuse_allreduce!r}."
             )
         if not isinstance(self.shard_optimizer, bool):
-            raise ValueError(
-                f"`shard_optimizer` must be True or False, got shard_optimizer={self.shard_optimizer!r}."
-            )
+            raise ValueError(f"`shard_optimizer` must be True or False, got shard_optimizer={self.shard_optimizer!r}.")
 
 
 def check_call(dp, state, batch) -> None:

@@ -147,7 +147,7 @@ class CommReport:
         chosen = [c for c in self.collectives if op is None or c.op in (op, f"{op}-start")]
         unknown = [c.op for c in chosen if c.wire_bytes is None]
         if unknown:
-            raise ValueError(f"The HLO does not give the replica groups of {unknown[0]}, so its wire bytes are unknown.")
+            raise ValueError(f"The HLO gives no replica groups for {unknown[0]}, so its bytes sent are unknown.")
         return float(sum(c.wire_bytes or 0.0 for c in chosen))
 
     def table(self) -> str:

@@ -23,8 +23,8 @@ from jddp import runtime
 from jddp import typing as jt
 from jddp.engine import checks, reduce, varying
 from jddp.runtime import packing
-from jddp.runtime.layout import LeafLayout
 from jddp.runtime import state as state_lib
+from jddp.runtime.layout import LeafLayout
 
 DATA = runtime.DATA_AXIS
 # The state the programs take and return, without the rng key: (step, params, opt_state, model_state).

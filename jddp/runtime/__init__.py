@@ -4,7 +4,8 @@ Modules: ``mesh`` (the data mesh, shardings, simulated CPU devices),
 ``distributed`` (``initialize``, ``barrier``), ``coordinator`` (the coordination
 service in a process of its own, for ``jddp launch``), ``watchdog`` (peer liveness and
 exit hooks), ``dispatch`` (the programs in flight on XLA:CPU), ``packing``
-(host batches to devices), ``state`` (``TrainState``), ``layout`` (how sharded optimizer state is stored) and ``jax_internals``
+(host batches to devices), ``state`` (``TrainState``), ``layout`` (how a sharded
+optimizer state is stored) and ``jax_internals``
 (every private JAX API jddp uses, in one place). The engine, data and
 checkpoint layers import this package and none of each other.
 """

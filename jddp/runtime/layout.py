@@ -57,7 +57,7 @@ class LeafLayout:
     def stored_shape(self) -> tuple[int, ...]:
         if self.axis is None:
             return self.shape
-        return self.shape[: self.axis] + (self.stored,) + self.shape[self.axis + 1 :]
+        return (*self.shape[: self.axis], self.stored, *self.shape[self.axis + 1 :])
 
     @property
     def padded(self) -> bool:
