@@ -298,13 +298,17 @@ def test_two_processes_of_two_devices(mesh, tmp_path):
     multiprocess.run(str(multiprocess.WORKERS / "zero.py"), 2, 2, str(tmp_path), timeout=600)
     reports = [json.loads((tmp_path / f"zero-{rank}.json").read_text()) for rank in range(2)]
     assert reports[0] == reports[1]  # the same decision and values on both processes
-    assert set(reports[0]) == {"sgd-momentum-1", "sgd-momentum-4", "adamw-clip-1", "adamw-clip-4"}
+    assert set(reports[0]) == {"sgd-momentum-1", "sgd-momentum-4", "adamw-clip-1", "adamw-clip-4", "schedule-free-1"}
     for key, r in reports[0].items():
         assert r["moved"] > 1e-2 and r["params"] < 1e-6 and r["metrics"] < 1e-5, (key, r)
     model = models.odd()
     data = batches(20, n=96, devices=4)  # the worker's batches: its first device's 24 rows all padding
     there = np.load(tmp_path / "params.npz")
-    optimizers = {"sgd-momentum": (OPTIMIZERS["sgd-momentum"], None), "adamw-clip": (OPTIMIZERS["adamw-clip"], 0.5)}
+    optimizers = {
+        "sgd-momentum": (OPTIMIZERS["sgd-momentum"], None),
+        "adamw-clip": (OPTIMIZERS["adamw-clip"], 0.5),
+        "schedule-free": (lambda: optax.contrib.schedule_free_adamw(3e-3), None),
+    }
     for key in reports[0]:
         name, accumulate = key.rsplit("-", 1)
         make, clip = optimizers[name]

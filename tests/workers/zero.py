@@ -3,9 +3,10 @@
     python tests/workers/zero.py OUT
 
 For SGD with momentum and AdamW with clipping, each with ``accumulate_steps`` 1
-and 4, trains ``tests.models.odd`` (widths no device count here divides) for 20
-steps with both engines on the same global batches, whose real examples are
-spread unevenly (the first device's slice all padding). Every process writes
+and 4, and schedule-free AdamW (whose state holds a copy of the parameters),
+trains ``tests.models.odd`` (widths no device count here divides) for 20 steps
+with both engines on the same global batches, whose real examples are spread
+unevenly (the first device's slice all padding). Every process writes
 OUT/zero-<process>.json: per configuration, the largest difference between the
 engines' parameters and between their metrics. Process 0 writes
 OUT/params.npz (each configuration's sharded-engine parameters). Then it saves
@@ -33,7 +34,10 @@ model = models.odd()
 OPTIMIZERS = {
     "sgd-momentum": (lambda: optax.sgd(0.1, momentum=0.9), None),
     "adamw-clip": (lambda: optax.adamw(3e-3, weight_decay=0.1), 0.5),
+    # Its state holds a copy of the parameters (z), so each process's slices differ from the first step on.
+    "schedule-free": (lambda: optax.contrib.schedule_free_adamw(3e-3), None),
 }
+RUNS = [("sgd-momentum", 1), ("sgd-momentum", 4), ("adamw-clip", 1), ("adamw-clip", 4), ("schedule-free", 1)]
 
 
 def global_batches(count: int, n: int = 96):
@@ -62,24 +66,23 @@ def train(dp, data, state=None):
 
 data = global_batches(20)
 report, saved = {}, {}
-for name, (make, clip) in OPTIMIZERS.items():
-    for accumulate in (1, 4):
-        runs = {}
-        for shard in (False, True):
-            dp = jddp.DataParallel(
-                model.loss_fn, make(), mesh=mesh, accumulate_steps=accumulate, clip_grad_norm=clip,
-                shard_optimizer=shard,
-            )  # fmt: skip
-            state, metrics = train(dp, data)
-            dp.check_replicas(state)
-            runs[shard] = host(state.params), metrics
-        key = f"{name}-{accumulate}"
-        report[key] = {
-            "params": models.max_diff(runs[False][0], runs[True][0]),
-            "moved": models.max_diff(runs[False][0], model.params),
-            "metrics": max(abs(a[k] - b[k]) for a, b in zip(runs[False][1], runs[True][1], strict=True) for k in a),
-        }
-        saved.update({f"{key}/{path}": v for path, v in models.flat(runs[True][0]).items()})
+for name, accumulate in RUNS:
+    make, clip = OPTIMIZERS[name]
+    runs = {}
+    for shard in (False, True):
+        dp = jddp.DataParallel(
+            model.loss_fn, make(), mesh=mesh, accumulate_steps=accumulate, clip_grad_norm=clip, shard_optimizer=shard
+        )
+        state, metrics = train(dp, data)
+        dp.check_replicas(state)
+        runs[shard] = host(state.params), metrics
+    key = f"{name}-{accumulate}"
+    report[key] = {
+        "params": models.max_diff(runs[False][0], runs[True][0]),
+        "moved": models.max_diff(runs[False][0], model.params),
+        "metrics": max(abs(a[k] - b[k]) for a, b in zip(runs[False][1], runs[True][1], strict=True) for k in a),
+    }
+    saved.update({f"{key}/{path}": v for path, v in models.flat(runs[True][0]).items()})
 
 rank = jax.process_index()
 with open(os.path.join(out, f"zero-{rank}.json"), "w") as f:
