@@ -16,7 +16,9 @@ beforehand:
   vector before the ``pmean``;
 * ``hand-written hier``: the fused vector reduced hierarchically on a
   ``("host", "local")`` view of the same devices: reduce-scatter inside each
-  process, all-reduce of the quarter across processes, all-gather inside.
+  process, all-reduce of the quarter across processes, all-gather inside;
+* ``jddp zero``: ``DataParallel(shard_optimizer=True)`` (ZeRO-1): gradients
+  reduce-scattered, the optimizer state split, parameters all-gathered.
 
 Variants alternate in blocks inside each worker (the order rotating), and
 topologies alternate over rounds (the order reversed every other round), so
@@ -27,6 +29,7 @@ over every timed step, the ratio of medians to the same variant on 1x8, and to
     python -m benchmarks.multiprocess_step --topologies 1x8,2x1,2x2,2x4 --rounds 3
     python -m benchmarks.multiprocess_step --topologies 2x4 --env XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
     python -m benchmarks.multiprocess_step --topologies 2x1 --compare-cpu-share --variants jddp,hand-written pmean
+    python -m benchmarks.multiprocess_step --topologies 1x8,2x1,2x2 --variants "jddp,jddp zero"
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("jddp", "jddp per-leaf", "hand-written pmean", "hand-written fused", "hand-written hier")
+VARIANTS = ("jddp", "jddp per-leaf", "hand-written pmean", "hand-written fused", "hand-written hier", "jddp zero")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -175,8 +178,8 @@ def worker(args: argparse.Namespace) -> None:
 
         return run
 
-    def jddp_step(fuse: bool | None):
-        dp = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, fuse_allreduce=fuse)
+    def jddp_step(fuse: bool | None, shard: bool = False):
+        dp = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, fuse_allreduce=fuse, shard_optimizer=shard)
         holder = [dp.init(params, rng=0)]
 
         def run(batch):
@@ -191,6 +194,7 @@ def worker(args: argparse.Namespace) -> None:
         "hand-written pmean": lambda: hand_step(None),
         "hand-written fused": lambda: hand_step("flat"),
         "hand-written hier": lambda: hand_step("hier"),
+        "jddp zero": lambda: jddp_step(None, shard=True),
     }
     runs = {name: makers[name]() for name in variants}
     for run in runs.values():  # compile and warm up, one program at a time
