@@ -158,18 +158,20 @@ def eqx_model() -> Model:
 
 
 def odd() -> Model:
-    """An MLP none of whose widths 8 divides (12 -> 20 -> 5): every optimizer-state leaf is padded on 8 devices."""
+    """An MLP none of whose widths 8 divides (12 -> 20 -> 5), its logits scaled by a learned scalar: on 8 devices
+    every optimizer-state leaf is padded, but the scalar's."""
     rng = np.random.default_rng(3)
     params = {
         "w1": (rng.normal(size=(12, 20)) / np.sqrt(12)).astype(np.float32),
         "b1": np.zeros(20, np.float32),
         "w2": (rng.normal(size=(20, 5)) / np.sqrt(20)).astype(np.float32),
         "b2": np.zeros(5, np.float32),
+        "t": np.ones((), np.float32),  # a scalar: a leaf too small to split, all-reduced whole
     }
 
     def loss_fn(params, model_state, batch, rng):
         h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
-        loss, metrics = classification(h @ params["w2"] + params["b2"][None, :], batch)
+        loss, metrics = classification((h @ params["w2"] + params["b2"][None, :]) * params["t"], batch)
         return loss, (model_state, metrics)
 
     return Model(loss_fn, loss_fn, params, {})

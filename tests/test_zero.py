@@ -328,3 +328,61 @@ def test_two_processes_of_two_devices(mesh, tmp_path):
         assert int(restored.step) == 10
         resumed, _ = train(dp, model, data[10:], restored)
         assert max_diff(resumed.params, whole.params) < 1e-6, shard
+
+
+@pytest.mark.parametrize("make", [models.pytree, models.odd], ids=["pytree", "odd"])
+def test_fused_buffers_train_alike_with_one_collective_each(mesh, make):
+    """``fuse_allreduce`` (on by default across CPU processes): one reduce-scatter, one all-reduce (loss, counts,
+    metrics and the partial squares of the norm) and one all-gather per step, whatever the number of leaves."""
+    model = make()
+    data = batches(10)
+    runs = {}
+    for shard, fuse in ((False, False), (True, True)):
+        dp = jddp.DataParallel(model.loss_fn, optax.adamw(1e-2), mesh=mesh, shard_optimizer=shard,
+                               fuse_allreduce=fuse, clip_grad_norm=0.5)  # fmt: skip
+        runs[shard] = train(dp, model, data)
+    assert max_diff(runs[False][0].params, runs[True][0].params) < 1e-6
+    assert max_diff(logical_opt_state(runs[False][0]), logical_opt_state(runs[True][0])) < 1e-6
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(runs[False][1], runs[True][1], strict=True)) < 1e-6
+    report = dp.comm_report(runs[True][0], data[0])
+    assert [c.op for c in report.collectives] == ["reduce-scatter", "all-reduce", "all-gather"]
+    assert all(len(c.operands) == 1 for c in report.collectives)
+    split = [lay for lay in zero.leaf_layouts(model.params, N) if lay.axis is not None]
+    padded = sum(int(np.prod(lay.stored_shape)) for lay in split)  # the split gradient elements with padding
+    assert report.nbytes("all-gather") == 4 * padded and report.nbytes("reduce-scatter") == 4 * padded // N
+
+
+def test_fused_scatter_and_gather_match_per_leaf_collectives(mesh):
+    """Against ``lax.psum_scatter`` and ``lax.all_gather`` leaf by leaf; the large leaf goes alone."""
+    from jax import lax
+
+    from jddp.engine import fused
+
+    shapes = [(16, 3), (5, 8), (24,), (8, 40)]  # the last over the 1 KiB limit below
+    layouts = [layout.choose(s, N) for s in shapes]
+    rng = np.random.default_rng(0)
+    per_device = [rng.normal(size=(N, *lay.stored_shape)).astype(np.float32) for lay in layouts]
+
+    def local(*xs):
+        xs = [x[0] for x in xs]
+        got = fused.fused_psum_scatter(xs, layouts, "data", N, max_leaf_bytes=1024)
+        want = [
+            lax.psum_scatter(x, "data", scatter_dimension=lay.axis, tiled=True)
+            for x, lay in zip(xs, layouts, strict=True)
+        ]
+        back = fused.fused_all_gather(got, layouts, "data", N, max_leaf_bytes=1024)
+        whole = [
+            lax.all_gather(g, "data", axis=lay.axis, tiled=True, to="invarying")
+            for g, lay in zip(got, layouts, strict=True)
+        ]
+        return [g[None] for g in got], [w[None] for w in want], back, whole
+
+    spec = jax.sharding.PartitionSpec("data")
+    got, want, back, whole = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec, jax.sharding.PartitionSpec(),
+                                                                           jax.sharding.PartitionSpec()))
+    )(*per_device)  # fmt: skip
+    for g, w, b, h, x in zip(got, want, back, whole, per_device, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+        assert np.array_equal(np.asarray(b), np.asarray(h))
+        np.testing.assert_allclose(np.asarray(b), x.sum(0), rtol=1e-5, atol=1e-5)  # NumPy: the sum, gathered

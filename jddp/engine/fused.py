@@ -67,3 +67,68 @@ def fused_psum(tree, axis_name: str, max_leaf_bytes: int = MAX_LEAF_BYTES):
             out[i] = flat[offset : offset + size].reshape(np.shape(leaves[i]))
             offset += size
     return jax.tree.unflatten(treedef, out)
+
+
+def fused_psum_scatter(leaves: list, layouts: list, axis_name: str, num_devices: int,
+                       max_leaf_bytes: int = MAX_LEAF_BYTES) -> list:  # fmt: skip
+    """``lax.psum_scatter`` of each leaf along its layout's dimension, the small leaves in one buffer per dtype.
+
+    Args:
+      leaves: arrays in their stored shapes (padded: ``LeafLayout.pad``), varying over ``axis_name``.
+      layouts: each leaf's ``jddp.runtime.layout.LeafLayout``, all of them split (``axis`` not None).
+      axis_name: the mesh axis to sum over, of ``num_devices`` devices.
+      max_leaf_bytes: leaves larger than this are reduce-scattered as operands of their own.
+
+    Returns:
+      Each leaf's slice on this device: the stored shape with ``axis`` divided by ``num_devices``. A leaf's slice
+      for device ``i`` is the ``i``-th block of its dimension ``axis``, so each becomes row ``i`` of an
+      ``[N, size / N]`` matrix (the dimension moved to the front); the rows of every leaf are laid side by side
+      and one reduce-scatter hands device ``i`` the sum of row ``i``.
+    """
+    out: list = [None] * len(leaves)
+    groups: dict[np.dtype, list[int]] = {}
+    for i, (x, lay) in enumerate(zip(leaves, layouts, strict=True)):
+        if np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64) > max_leaf_bytes:
+            out[i] = lax.psum_scatter(x, axis_name, scatter_dimension=lay.axis, tiled=True)
+        else:
+            groups.setdefault(np.dtype(x.dtype), []).append(i)
+    for idx in groups.values():
+        rows = jnp.concatenate([jnp.moveaxis(leaves[i], layouts[i].axis, 0).reshape(num_devices, -1) for i in idx], 1)
+        mine = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
+        offset = 0
+        for i in idx:
+            moved = _moved_slice_shape(np.shape(leaves[i]), layouts[i].axis, num_devices)
+            size = int(np.prod(moved, dtype=np.int64))
+            out[i] = jnp.moveaxis(mine[offset : offset + size].reshape(moved), 0, layouts[i].axis)
+            offset += size
+    return out
+
+
+def fused_all_gather(slices: list, layouts: list, axis_name: str, num_devices: int,
+                     max_leaf_bytes: int = MAX_LEAF_BYTES) -> list:  # fmt: skip
+    """The inverse of ``fused_psum_scatter``'s split: every device's slice of each leaf gathered, the small leaves
+    in one buffer per dtype. Returns the stored-shape leaves, the same on every device (invariant)."""
+    out: list = [None] * len(slices)
+    groups: dict[np.dtype, list[int]] = {}
+    for i, (x, lay) in enumerate(zip(slices, layouts, strict=True)):
+        if np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64) * num_devices > max_leaf_bytes:
+            out[i] = lax.all_gather(x, axis_name, axis=lay.axis, tiled=True, to="invarying")
+        else:
+            groups.setdefault(np.dtype(x.dtype), []).append(i)
+    for idx in groups.values():
+        flat = jnp.concatenate([jnp.ravel(jnp.moveaxis(slices[i], layouts[i].axis, 0)) for i in idx])
+        every = lax.all_gather(flat, axis_name, axis=0, tiled=False, to="invarying")  # [N, slice sizes]
+        offset = 0
+        for i in idx:
+            moved = np.shape(jnp.moveaxis(slices[i], layouts[i].axis, 0))
+            size = int(np.prod(moved, dtype=np.int64))
+            whole = every[:, offset : offset + size].reshape(num_devices * moved[0], *moved[1:])
+            out[i] = jnp.moveaxis(whole, 0, layouts[i].axis)
+            offset += size
+    return out
+
+
+def _moved_slice_shape(shape: tuple, axis: int, num_devices: int) -> tuple:
+    """The shape of one device's slice of a leaf of ``shape`` split along ``axis``, that dimension moved first."""
+    rest = tuple(d for j, d in enumerate(shape) if j != axis)
+    return (shape[axis] // num_devices, *rest)

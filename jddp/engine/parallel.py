@@ -136,7 +136,9 @@ class DataParallel:
         self._batch = runtime.batch_sharding(mesh)
         self._checked: tuple | None = None
         psum = fused.fused_psum if fuse_allreduce else lax.psum
-        self._device = step_lib.DeviceStep(loss_fn, optimizer, eval_fn, self.options, self.num_devices, psum)
+        self._device = step_lib.DeviceStep(
+            loss_fn, optimizer, eval_fn, self.options, self.num_devices, psum, fuse=fuse_allreduce
+        )
         self._step = self._compile(self._device.local_step, donate=donate)
         self._eval = self._compile(self._device.local_eval, donate=False, out_state=False)
         # ZeRO-1: the step program of each optimizer-state layout seen (one, unless states of several models

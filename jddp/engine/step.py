@@ -21,7 +21,7 @@ from jax import lax
 
 from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, reduce, varying
+from jddp.engine import checks, fused, reduce, varying
 from jddp.runtime import packing
 from jddp.runtime import state as state_lib
 from jddp.runtime.layout import LeafLayout
@@ -41,6 +41,7 @@ class DeviceStep:
     options: checks.Options
     num_devices: int
     psum: Callable
+    fuse: bool = False  # ZeRO-1's reduce-scatter in one buffer per dtype (``fused.fused_psum_scatter``)
     names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def local_step(self, train: Train, rng: jax.Array, batch):
@@ -55,23 +56,34 @@ class DeviceStep:
 
     def local_scatter(self, train: Train, rng: jax.Array, batch, layouts: list[LeafLayout]):
         """ZeRO-1's device part: the gradients reduce-scattered, each leaf along its layout's dimension (padded
-        to it first), so that each device receives the sum of its slice only; everything else all-reduced as in
-        ``local_step``. Returns the stored-shape gradient slices, the sums and the synchronised model state; the
-        update runs outside ``shard_map`` (``jddp.engine.zero``)."""
+        to it first), so that each device receives the sum of its slice only; then one all-reduce of the loss
+        and metric totals, counts, unsynchronised model state, the leaves too small to split, and each device's
+        partial sum of squares of its slices (the global gradient norm, so that clipping and the non-finite guard
+        read the same value on every device). Returns the stored-shape gradient slices, the sums, the synchronised
+        model state and the squared global norm of the gradient sum; the update runs outside ``shard_map``
+        (``jddp.engine.zero``)."""
         _, grads, model_state, sums = self._local(train, rng, batch)
         synced, varying_state, unflatten_state = varying.split_varying(model_state)
         leaves, treedef = jax.tree.flatten(self._wire(grads))
+        split = [i for i, layout in enumerate(layouts) if layout.axis is not None]
+        padded = [layouts[i].pad(leaves[i]) for i in split]
+        if self.fuse:
+            scattered = fused.fused_psum_scatter(padded, [layouts[i] for i in split], DATA, self.num_devices)
+        else:
+            scattered = [
+                lax.psum_scatter(g, DATA, scatter_dimension=layouts[i].axis, tiled=True)
+                for g, i in zip(padded, split, strict=True)
+            ]
+        square_dtype = reduce.sum_dtype(*(g.dtype for g in leaves))
+        squares = optax.tree.norm(scattered, squared=True).astype(square_dtype)  # the padding adds zeros
         whole = [g for g, layout in zip(leaves, layouts, strict=True) if layout.axis is None]
-        sums, synced_sum, whole = self.psum((sums, varying_state, whole), DATA)
-        whole = iter(whole)
-        out = [
-            next(whole)
-            if layout.axis is None
-            else lax.psum_scatter(layout.pad(g), DATA, scatter_dimension=layout.axis, tiled=True)
-            for g, layout in zip(leaves, layouts, strict=True)
-        ]
+        sums, synced_sum, whole, squares = self.psum((sums, varying_state, whole, squares), DATA)
+        squares = squares + optax.tree.norm(whole, squared=True).astype(square_dtype)  # summed whole: once
+        out = list(whole)
+        for i, g in zip(split, scattered, strict=True):
+            out.insert(i, g)
         model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
-        return jax.tree.unflatten(treedef, out), sums, model_state
+        return jax.tree.unflatten(treedef, out), sums, model_state, squares
 
     def _local(self, train: Train, rng: jax.Array, batch):
         """This device's gradients of the loss total, its model state and its sums (loss, count, metrics)."""
@@ -91,12 +103,15 @@ class DeviceStep:
         wire = self.options.reduce_dtype
         return grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
 
-    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state, place_updates=None):
+    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state, place=None, squares=None):
         """The optimizer update from the all-reduced sums, identical on every replica.
 
-        ``place_updates`` (ZeRO-1, outside ``shard_map``) pins the optimizer's updates to the gradients'
-        sharding, so that XLA updates each slice where it lives and all-gathers the new parameters once.
+        ZeRO-1 (outside ``shard_map``) passes ``place``, which pins the optimizer's updates and the new
+        parameters to the gradients' sharding, so that XLA updates each slice where it lives and the parameters
+        are gathered once, after the update; and ``squares``, the squared norm of ``grads_sum``, already summed
+        over the devices.
         """
+        place = place or (lambda tree: tree)
         opts = self.options
         loss_w, examples, aux = sums
         loss = reduce.safe_divide(loss_w.total, loss_w.weight)
@@ -108,7 +123,8 @@ class DeviceStep:
         if opts.nonfinite != "ignore" or opts.clip_grad_norm is not None:
             # The norm of the mean gradient, from the sums: the mean itself is
             # only formed inside the update, where XLA fuses it into the optimizer.
-            metrics["grad_norm"] = grad_norm = optax.tree.norm(grads_sum) * scale
+            norm = optax.tree.norm(grads_sum) if squares is None else jnp.sqrt(squares)
+            metrics["grad_norm"] = grad_norm = norm * scale
         if opts.clip_grad_norm is not None:
             scale = scale * jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
 
@@ -116,13 +132,11 @@ class DeviceStep:
             grads_sum, params, opt_state, model_state, _ = operands
             grads = jax.tree.map(lambda s, p: mean_of(s, p.dtype, scale), grads_sum, params)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            if place_updates is not None:
-                updates = place_updates(updates)
-            return optax.apply_updates(params, updates), opt_state, model_state
+            return place(optax.apply_updates(params, place(updates))), opt_state, model_state
 
         def skip(operands):
             _, params, opt_state, _, old_model_state = operands
-            return params, opt_state, old_model_state
+            return place(params), opt_state, old_model_state
 
         operands = (grads_sum, state.params, state.opt_state, model_state, state.model_state)
         # A global batch without a real example (empty, or padding on every device) changes nothing: no decay, no

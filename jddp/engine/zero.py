@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp import runtime
+from jddp.engine import fused
 from jddp.engine import step as step_lib
 from jddp.runtime import layout as layout_lib
 from jddp.runtime import state as state_lib
@@ -92,15 +93,17 @@ def step_program(device: step_lib.DeviceStep, mesh: Mesh, opt: tuple[LeafLayout,
             functools.partial(device.local_scatter, layouts=list(grads_layout)),
             mesh=mesh,
             in_specs=(P(), P(), P(DATA)),
-            out_specs=(specs, P(), P()),
+            out_specs=(specs, P(), P(), P()),
         )
-        grads_sum, sums, new_model_state = local((step, params, None, model_state), rng, batch)
+        grads_sum, sums, new_model_state, squares = local((step, params, None, model_state), rng, batch)
         state = state_lib.TrainState(step, params, unpad(opt, opt_state), model_state, rng)
         grads_sum = constrain(grads_layout, unpad(grads_layout, grads_sum), mesh)
         place = functools.partial(constrain, grads_layout, mesh=mesh)
         (step, params, opt_state, model_state), packed = device._apply(
-            state, grads_sum, sums, new_model_state, place_updates=place
+            state, grads_sum, sums, new_model_state, place=place, squares=squares
         )
+        if device.fuse:
+            params = gather(grads_layout, params, mesh)
         opt_state = jax.tree.map(jax.lax.with_sharding_constraint, pad(opt, opt_state), opt_sharding)
         return (step, params, opt_state, model_state), packed
 
@@ -111,6 +114,26 @@ def step_program(device: step_lib.DeviceStep, mesh: Mesh, opt: tuple[LeafLayout,
         out_shardings=(train_sharding, rep),
         donate_argnums=(0,) if donate else (),
     )
+
+
+def gather(layouts: tuple[LeafLayout, ...], tree, mesh: Mesh):
+    """``tree`` (split as ``layouts``) made whole on every device by ``fused.fused_all_gather``: one all-gather
+    per dtype for the small leaves, instead of the one per leaf that the partitioner emits."""
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [i for i, lay in enumerate(layouts) if lay.axis is not None]
+    stored = [
+        jax.lax.with_sharding_constraint(layouts[i].pad(leaves[i]), NamedSharding(mesh, layouts[i].spec()))
+        for i in split
+    ]
+
+    def local(slices):
+        return fused.fused_all_gather(slices, [layouts[i] for i in split], DATA, mesh.shape[DATA])
+
+    whole = jax.shard_map(local, mesh=mesh, in_specs=([layouts[i].spec() for i in split],), out_specs=P())(stored)
+    out = list(leaves)
+    for i, x in zip(split, whole, strict=True):
+        out[i] = layouts[i].unpad(x)
+    return jax.tree.unflatten(treedef, out)
 
 
 def init_program(optimizer: optax.GradientTransformation, opt: tuple[LeafLayout, ...], opt_treedef, mesh: Mesh):
