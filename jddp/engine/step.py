@@ -71,7 +71,7 @@ class DeviceStep:
             scattered = fused.fused_psum_scatter(padded, [layouts[i] for i in split], DATA, self.num_devices)
         else:
             scattered = [
-                lax.psum_scatter(g, DATA, scatter_dimension=layouts[i].axis, tiled=True)
+                lax.psum_scatter(g, DATA, scatter_dimension=int(layouts[i].axis or 0), tiled=True)
                 for g, i in zip(padded, split, strict=True)
             ]
         square_dtype = reduce.sum_dtype(*(g.dtype for g in leaves))
