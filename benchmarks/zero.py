@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes = [256, width, width, width, 10]
         return {
             f"l{i}": {"w": jax.ShapeDtypeStruct((a, b), jnp.float32), "b": jax.ShapeDtypeStruct((b,), jnp.float32)}
-            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
+            for i, (a, b) in enumerate(itertools.pairwise(sizes))
         }
 
     def real(shapes: dict, seed: int = 0) -> dict:
@@ -100,10 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         from jddp.runtime.state import TrainState
 
         rep = jddp.runtime.replicated(dp.mesh)
-        sds = lambda x, sharding=rep: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
+        sds = lambda x, sharding=rep: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         layout = zero.opt_layouts(dp.optimizer, shapes, dp.num_devices) if dp.options.shard_optimizer else None
-        opt = jax.eval_shape(lambda p: dp.optimizer.init(p) if layout is None else zero.pad(layout, dp.optimizer.init(p)),
-                             shapes)  # fmt: skip
+        init = dp.optimizer.init if layout is None else lambda p: zero.pad(layout, dp.optimizer.init(p))
+        opt = jax.eval_shape(init, shapes)
         if layout is None:
             opt = jax.tree.map(sds, opt)
         else:
@@ -121,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                 + stats.temp_size_in_bytes)  # fmt: skip
 
     print(f"\n2. Widest MLP 256-W-W-W-10 whose AdamW step fits {args.cap_mib:g} MiB per device, 8 devices")
-    print(f"{'engine':>15}  {'W':>6}  {'parameters':>11}  {'step MiB':>8}  {'W+64 MiB':>8}  {'loss first -> last':>20}  "
-          f"{'state MiB/device':>16}")  # fmt: skip
+    print(f"{'engine':>15}  {'W':>6}  {'parameters':>11}  {'step MiB':>8}  {'W+64 MiB':>8}  "
+          f"{'loss first -> last':>20}  {'state MiB/device':>16}")  # fmt: skip
     widest = {}
     for shard in (False, True):
         lo, hi = 64, 64
