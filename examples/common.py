@@ -88,7 +88,7 @@ def train_classifier(config, data: dict, model: tuple) -> dict[str, float]:
 
     Args:
       config: the example's ``Config``: ``global_batch_size``, ``seed``,
-        ``learning_rate``, ``weight_decay``, ``epochs`` and what ``train`` reads.
+        ``learning_rate``, ``weight_decay``, ``epochs``, ``shard_optimizer`` and what ``train`` reads.
       data: ``x``, ``y``, ``x_test``, ``y_test`` arrays.
       model: ``(graphdef, params, model_state)`` of an NNX classifier
         (``jddp.models.nnx_split``).
@@ -117,6 +117,7 @@ def train_classifier(config, data: dict, model: tuple) -> dict[str, float]:
         optax.adamw(schedule, weight_decay=config.weight_decay),
         mesh=jddp.data_mesh(),
         eval_fn=models.nnx_eval(graphdef, classification_eval),
+        shard_optimizer=config.shard_optimizer,
     )
     state = dp.init(params, model_state, rng=config.seed)
     return train(dp, state, train_loader, test_loader, config)

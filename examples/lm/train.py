@@ -50,6 +50,7 @@ class Config:
     checkpoint_dir: str = run_field("")  # checkpoints, resumed from when present ("" for none)
     save_every: int = run_field(0)  # steps between checkpoints (0: only at the end)
     progress: bool = run_field(True)  # progress bar on process 0
+    shard_optimizer: bool = run_field(False)  # ZeRO-1: AdamW state split over the devices (a run may switch)
 
     def __post_init__(self):
         if self.compute_dtype not in ("bfloat16", "float32"):
@@ -147,6 +148,7 @@ def main(config: Config) -> dict[str, float]:
         mesh=jddp.data_mesh(),
         clip_grad_norm=config.clip_grad_norm,
         eval_fn=models.nnx_eval(graphdef, eval_metrics),
+        shard_optimizer=config.shard_optimizer,
     )
     state = dp.init(params, model_state, rng=config.seed)
     train_loader = jddp.data.DataLoader(corpus["train"], global_batch_size=config.global_batch_size, seed=config.seed)

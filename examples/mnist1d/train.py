@@ -48,6 +48,7 @@ class Config:
     checkpoint_dir: str = run_field("")  # checkpoints, resumed from when present ("" for none)
     save_every: int = run_field(0)  # steps between checkpoints (0: only at the end)
     progress: bool = run_field(True)  # progress bar on process 0
+    shard_optimizer: bool = run_field(False)  # ZeRO-1: AdamW state split over the devices (a run may switch)
 
 
 def load_data(config: Config) -> dict[str, np.ndarray]:

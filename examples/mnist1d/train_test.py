@@ -1,7 +1,9 @@
 """A short MNIST-1D run per model: it learns, 8 devices train like 1, and the config is checked before any JAX work."""
 
 import dataclasses
+import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -72,3 +74,24 @@ def test_configs_load_and_overrides_are_checked():
         config_lib.parse(train.Config, ["epoch=3"])
     with pytest.raises(config_lib.ConfigError, match=r"`epochs`.*expected int"):
         config_lib.parse(train.Config, ["epochs=many"])
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_4_devices_with_the_optimizer_state_split(tmp_path):
+    """The replicated engine on 8 devices saves at step 12 (and at its end, 24); with the end's checkpoint
+    removed, as if the run had died after step 12, it resumes on 4 devices with ``shard_optimizer=true``
+    (ZeRO-1) and logs the uninterrupted run's steps 13-24 to round-off."""
+    overrides = ("epochs=2", "num_samples=1000", "global_batch_size=64", "hidden=64", "log_every=1", "progress=false")
+    ckpt = tmp_path / "ckpt"
+    whole = run_example(8, tmp_path / "whole", f"checkpoint_dir={ckpt}", "save_every=12", *overrides)
+    steps = 800 // 64
+    assert [r["step"] for r in whole] == list(range(1, 2 * steps + 1))
+    shutil.rmtree(ckpt / str(2 * steps))
+    resumed = run_example(4, tmp_path / "resumed", f"checkpoint_dir={ckpt}", "shard_optimizer=true", *overrides)
+    assert [r["step"] for r in resumed] == list(range(steps + 1, 2 * steps + 1))
+    meta = json.loads((ckpt / str(2 * steps) / "meta" / "metadata").read_text())
+    assert meta["devices"] == 4 and meta["padded"]  # saved split: the 10-class bias padded to 12
+    for key in ("loss", "grad_norm", "accuracy"):
+        np.testing.assert_allclose(
+            [r[key] for r in resumed], [r[key] for r in whole[steps:]], rtol=2e-5, atol=1e-6, err_msg=key
+        )
