@@ -286,6 +286,10 @@ def test_states_of_the_other_engine_or_device_count_are_refused(mesh):
     other = jddp.DataParallel(model.loss_fn, optax.sgd(0.1, momentum=0.9), mesh=mesh, shard_optimizer=True)
     with pytest.raises(ValueError, match=r"laid out for another model or device count.*leaf 0"):
         other.step(sharded.init(model.params), b)
+    state = sharded.init(model.params)
+    rebuilt = jddp.TrainState(state.step, state.params, state.opt_state, state.model_state, state.rng)
+    with pytest.raises(ValueError, match=r"opt_layout` is None.*state\.replace"):
+        sharded.step(rebuilt, b)
     with pytest.raises(ValueError, match="shard_optimizer=1"):
         jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=1)  # type: ignore[arg-type]
 
@@ -386,3 +390,29 @@ def test_fused_scatter_and_gather_match_per_leaf_collectives(mesh):
         assert np.array_equal(np.asarray(g), np.asarray(w))
         assert np.array_equal(np.asarray(b), np.asarray(h))
         np.testing.assert_allclose(np.asarray(b), x.sum(0), rtol=1e-5, atol=1e-5)  # NumPy: the sum, gathered
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["adafactor", "lamb", "masked-weight-decay", "multi-steps"],
+)
+def test_optimizers_that_are_not_elementwise_train_alike(mesh, name):
+    """The optimizer sees every leaf in its own shape: factored moments (Adafactor: row and column statistics,
+    themselves split), per-leaf norms (LAMB's trust ratio), a decay mask keyed on ``ndim`` and optax's own
+    accumulation (MultiSteps' counters replicated, its sums split) give the replicated engine's training."""
+    optimizers = {
+        "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+        "lamb": lambda: optax.lamb(1e-2),
+        "masked-weight-decay": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(
+            lambda x: x.ndim > 1, p)),
+        "multi-steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation(),
+    }  # fmt: skip
+    model = models.odd()
+    data = batches(10)
+    runs = {}
+    for shard in (False, True):
+        dp = jddp.DataParallel(model.loss_fn, optimizers[name](), mesh=mesh, shard_optimizer=shard)
+        runs[shard] = train(dp, model, data)[0]
+    assert max_diff(model.params, runs[False].params) > 1e-2
+    assert max_diff(runs[False].params, runs[True].params) < 1e-6
+    assert max_diff(logical_opt_state(runs[False]), logical_opt_state(runs[True])) < 1e-6

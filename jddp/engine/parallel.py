@@ -184,14 +184,19 @@ class DataParallel:
             if program is None:
                 expected = zero.opt_layouts(self.optimizer, state.params, self.num_devices)
                 if layout != expected:
-                    raise ValueError(self._layout_error(layout, expected))
+                    raise ValueError(self._layout_error(layout, expected, state))
                 treedef = jax.tree.structure(state.opt_state)
                 program = zero.step_program(self._device, self.mesh, expected, treedef, donate=self.options.donate)
                 self._sharded[expected] = program
         self._last = (layout, program)
         return program
 
-    def _layout_error(self, layout, expected) -> str:
+    def _layout_error(self, layout, expected, state) -> str:
+        if layout is None and any(not x.is_fully_replicated for x in jax.tree.leaves(state.opt_state)):
+            return (
+                "`state.opt_state` is split over the devices, but `state.opt_layout` is None: a TrainState built "
+                "field by field drops it. Make new states with `state.replace(params=...)`, which keeps it."
+            )
         if layout is None:
             return (
                 "`state` holds replicated optimizer state (from a DataParallel with shard_optimizer=False), but this "
