@@ -294,6 +294,7 @@ def test_states_of_the_other_engine_or_device_count_are_refused(mesh):
         jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=1)  # type: ignore[arg-type]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_of_two_devices(mesh, tmp_path):
     """2 processes x 2 devices: ZeRO-1 equals the replicated engine within 1e-6 there (SGD momentum, AdamW with
     clipping; uneven masks; accumulate_steps 1 and 4), and equals this process's 8-device run. Its checkpoint,
