@@ -111,7 +111,9 @@ def test_layout_choice():
     assert layout.choose((16, 24), 8) == layout.LeafLayout((16, 24), 1, 24)  # the largest of those
     assert layout.choose((16, 16), 8) == layout.LeafLayout((16, 16), 0, 16)  # the first of equals
     assert layout.choose((12, 20), 8) == layout.LeafLayout((12, 20), 1, 24)  # none: the largest, padded
+    assert layout.choose((8, 20), 8) == layout.LeafLayout((8, 20), 0, 8)  # divisible before larger: no padding
     assert layout.choose((5,), 8) == layout.LeafLayout((5,), 0, 8)
+    assert layout.choose((2,), 8) == layout.LeafLayout((2,), 0, 8)  # two elements: one per device, padded
     assert layout.choose((512, 1024), 6) == layout.LeafLayout((512, 1024), 1, 1026)
     for shape in [(), (1,), (1, 1)]:
         assert layout.choose(shape, 8) == layout.LeafLayout(shape)  # scalars and single elements: replicated
@@ -363,10 +365,13 @@ def test_fused_scatter_and_gather_match_per_leaf_collectives(mesh):
 
     from jddp.engine import fused
 
-    shapes = [(16, 3), (5, 8), (24,), (8, 40)]  # the last over the 1 KiB limit below
+    # (16, 16) float32 is exactly the 1 KiB limit below (packed), (8, 40) over it (alone); one bfloat16 leaf,
+    # packed in a buffer of its own dtype.
+    shapes = [(16, 3), (5, 8), (24,), (8, 40), (16, 16), (8, 6)]
+    dtypes = [np.float32] * 5 + [jnp.bfloat16]
     layouts = [layout.choose(s, N) for s in shapes]
     rng = np.random.default_rng(0)
-    per_device = [rng.normal(size=(N, *lay.stored_shape)).astype(np.float32) for lay in layouts]
+    per_device = [rng.normal(size=(N, *lay.stored_shape)).astype(d) for lay, d in zip(layouts, dtypes, strict=True)]
 
     def local(*xs):
         xs = [x[0] for x in xs]
@@ -382,15 +387,29 @@ def test_fused_scatter_and_gather_match_per_leaf_collectives(mesh):
         ]
         return [g[None] for g in got], [w[None] for w in want], back, whole
 
-    spec = jax.sharding.PartitionSpec("data")
-    got, want, back, whole = jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec, jax.sharding.PartitionSpec(),
-                                                                           jax.sharding.PartitionSpec()))
-    )(*per_device)  # fmt: skip
+    spec, whole_spec = jax.sharding.PartitionSpec("data"), jax.sharding.PartitionSpec()
+    program = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(shapes), out_specs=(spec, spec, whole_spec, whole_spec))
+    )
+    got, want, back, whole = program(*per_device)
     for g, w, b, h, x in zip(got, want, back, whole, per_device, strict=True):
+        assert g.dtype == x.dtype and b.dtype == x.dtype
         assert np.array_equal(np.asarray(g), np.asarray(w))
         assert np.array_equal(np.asarray(b), np.asarray(h))
-        np.testing.assert_allclose(np.asarray(b), x.sum(0), rtol=1e-5, atol=1e-5)  # NumPy: the sum, gathered
+        tolerance = 5e-2 if x.dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(  # NumPy: the sum over devices, gathered
+            np.asarray(b, np.float32), x.astype(np.float32).sum(0), rtol=tolerance, atol=tolerance
+        )
+
+    # Alone, the fused functions make one reduce-scatter and one all-gather per dtype, and one of each for the
+    # large leaf.
+    def fused_only(*xs):
+        got = fused.fused_psum_scatter([x[0] for x in xs], layouts, "data", N, max_leaf_bytes=1024)
+        return fused.fused_all_gather(got, layouts, "data", N, max_leaf_bytes=1024)
+
+    alone = jax.jit(jax.shard_map(fused_only, mesh=mesh, in_specs=(spec,) * len(shapes), out_specs=whole_spec))
+    report = jddp.engine.comm.CommReport.from_hlo(alone.lower(*per_device).compile().as_text())
+    assert report.count("reduce-scatter") == 3 and report.count("all-gather") == 3
 
 
 @pytest.mark.parametrize(
@@ -417,3 +436,24 @@ def test_optimizers_that_are_not_elementwise_train_alike(mesh, name):
     assert max_diff(model.params, runs[False].params) > 1e-2
     assert max_diff(runs[False].params, runs[True].params) < 1e-6
     assert max_diff(logical_opt_state(runs[False]), logical_opt_state(runs[True])) < 1e-6
+
+
+def test_program_shardings_donation_off_and_a_layout_of_another_length(mesh):
+    """The compiled step takes the optimizer state split as laid out and the batch split over "data" (a NumPy
+    batch included); ``donate=False`` keeps the old state; a layout that does not describe the state is named."""
+    from jddp.checkpoint import digest
+
+    model = models.odd()
+    dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=True, donate=False)
+    state = dp.init(model.params)
+    b = models.batch(64)
+    compiled = dp._program(state).lower(*dp._args(state, b)).compile()
+    (train_in, _, batch_in), _ = compiled.input_shardings
+    opt_in = jax.tree.leaves(train_in[2])
+    assert [s.spec for s in opt_in] == [lay.spec() for lay in state.opt_layout]
+    assert all(s.spec == jax.sharding.PartitionSpec("data") for s in jax.tree.leaves(batch_in))
+    new, _ = dp.step(state, b)
+    assert not state.opt_state[0].mu["w1"].is_deleted() and float(jnp.abs(state.opt_state[0].mu["w1"]).sum()) == 0
+    assert float(jnp.abs(new.opt_state[0].mu["w1"]).sum()) > 0
+    with pytest.raises(ValueError, match=r"opt_layout` describes 10 leaves, but `state.opt_state` has 11"):
+        digest.leaf_layouts(state.replace(opt_layout=state.opt_layout[:-1]))

@@ -94,7 +94,7 @@ def fused_psum_scatter(leaves: list, layouts: list, axis_name: str, num_devices:
             groups.setdefault(np.dtype(x.dtype), []).append(i)
     for idx in groups.values():
         rows = jnp.concatenate([jnp.moveaxis(leaves[i], layouts[i].axis, 0).reshape(num_devices, -1) for i in idx], 1)
-        mine = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
+        mine = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=False)  # row i, on device i
         offset = 0
         for i in idx:
             moved = _moved_slice_shape(np.shape(leaves[i]), layouts[i].axis, num_devices)

@@ -95,10 +95,3 @@ def choose(shape: tuple[int, ...], num_devices: int) -> LeafLayout:
     candidates = divisible or range(len(shape))
     axis = max(candidates, key=lambda i: (shape[i], -i))
     return LeafLayout(shape, axis, -(-shape[axis] // num_devices) * num_devices)
-
-
-def logical_shapes(layouts: tuple[LeafLayout, ...] | None, leaves) -> list[tuple[int, ...]]:
-    """The logical shape of each leaf of an optimizer state stored with ``layouts`` (None: as stored)."""
-    if layouts is None:
-        return [tuple(x.shape) for x in leaves]
-    return [layout.shape for layout in layouts]
