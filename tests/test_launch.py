@@ -259,6 +259,8 @@ def end_group(victim: int, how: str, spawn=multiprocess.spawn) -> tuple[list, li
     try:
         survivor.wait(timeout=240)
         ended = time.time()
+        if how == "gil":  # its stack dump comes from a timer armed a peer timeout before: give it time to print
+            time.sleep(5)
     finally:
         for p in procs:
             if p.poll() is None and (how in ("sigstop", "gil") or p is survivor):
@@ -288,6 +290,9 @@ def test_a_process_that_ends_early_ends_the_group_in_bounded_time_naming_it(vict
     assert re.search(rf"jddp: process {survivor} of 2 ({expected})", outputs[survivor]), outputs[survivor]
     if how in VICTIM_CODE:
         assert codes[victim] == VICTIM_CODE[how], multiprocess.show(codes, outputs)
+    if how == "gil":  # the stuck process says where it is: faulthandler's dump, from a C thread, without the GIL
+        assert "Timeout (0:00:10)!" in outputs[victim], outputs[victim]
+        assert re.search(r'File ".*group\.py", line \d+ in <module>', outputs[victim]), outputs[victim]
 
 
 @pytest.mark.parametrize("how", ["sigkill", "exit3"])

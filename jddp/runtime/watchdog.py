@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import os
 import queue
 import sys
@@ -133,6 +134,12 @@ class Watchdog(threading.Thread):
         return value
 
     def run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _watch(self) -> None:
         peers = [p for p in range(self.num_processes) if p != self.process_id]
         last_value: dict[int, str | None] = dict.fromkeys(peers)
         last_change = dict.fromkeys(peers, time.monotonic())
@@ -141,7 +148,12 @@ class Watchdog(threading.Thread):
         everyone = range(self.num_processes)
         last_ticks: dict[int, int | None] = dict.fromkeys(everyone)
         last_tick_seen = dict.fromkeys(everyone, time.monotonic())
+        _arm_stack_dump(self.peer_timeout_s)  # from the start: a script may take the GIL before the first round
         while not self.stopped.wait(self.interval):
+            # Re-armed every round: if this thread cannot run for the peer timeout (C code holding the GIL, the
+            # case where the peers declare this process lost), Python's faulthandler prints every thread's stack
+            # to stderr from a C thread of its own ("Timeout (0:00:30)!"), so the stuck process says where it is.
+            _arm_stack_dump(self.peer_timeout_s)
             counter += 1
             try:
                 value = self.state or progress.publish(counter, self.waiting_since is not None)
@@ -407,3 +419,14 @@ def _at_exit() -> None:
         time.sleep(watchdog.interval)
     watchdog.stopped.set()
     watchdog.join(timeout=5)
+
+
+def _arm_stack_dump(timeout_s: float) -> None:
+    """``faulthandler.dump_traceback_later`` to the process's own stderr (``sys.__stderr__``: a replaced
+    ``sys.stderr`` may have no file descriptor); nothing when there is none. It replaces any dump a user armed."""
+    stream = sys.__stderr__
+    try:
+        if stream is not None:
+            faulthandler.dump_traceback_later(timeout_s, exit=False, file=stream)
+    except (ValueError, OSError, RuntimeError):  # a closed or fd-less stream: no stack dump, the watchdog goes on
+        pass
