@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     dp = jddp.DataParallel(loss_fn, optimizer, mesh=mesh)
     dp_ignore = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, nonfinite="ignore")
     dp_unfused = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, fuse_allreduce=False)  # one buffer per leaf
+    dp_fused = jddp.DataParallel(loss_fn, optimizer, mesh=mesh, fuse_allreduce=True)  # packed (jddp.engine.fused)
 
     def local_step_same_math(params, opt_state, batch):
         # jddp's math written out: loss total weighted by the local count, one
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     dev_batches = [jax.device_put(b, bsh) for b in batches]
     one_batches = [jax.device_put(b, jax.devices()[0]) for b in batches]
-    states = {"jddp": dp.init(params), "jddp ignore": dp_ignore.init(params), "jddp unfused": dp_unfused.init(params)}
+    states = {"jddp": dp.init(params), "jddp ignore": dp_ignore.init(params), "jddp unfused": dp_unfused.init(params),
+              "jddp fused": dp_fused.init(params)}  # fmt: skip
     hand_states = {}
     for name in ("hand-written", "hand-written same"):
         h_params = jax.tree.map(lambda x: jax.device_put(np.array(x), rep), params)
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "hand-written same": lambda: run_hand("hand-written same", hand_same),
         "jddp ignore": lambda: run_jddp("jddp ignore", dp_ignore),
         "jddp unfused": lambda: run_jddp("jddp unfused", dp_unfused),
+        "jddp fused": lambda: run_jddp("jddp fused", dp_fused),
         "hand-written": lambda: run_hand("hand-written", hand),
         "single-device": run_single,
     }
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "jddp / hand-written same": med["jddp"] / med["hand-written same"],
         "jddp ignore / hand-written": med["jddp ignore"] / med["hand-written"],
         "jddp / jddp unfused": med["jddp"] / med["jddp unfused"],
+        "jddp fused / jddp unfused": med["jddp fused"] / med["jddp unfused"],
         "cost of exact weighting + guard (hand-written same / hand-written)": med["hand-written same"]
         / med["hand-written"],
     }

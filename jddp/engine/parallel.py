@@ -74,9 +74,11 @@ class DataParallel:
         buffers of their own) instead of one buffer per leaf; ``None`` does so
         on CPU devices of several processes, where XLA runs one gloo ring pass
         per buffer in sequence (MNIST-1D MLP at 2 processes x 4 devices: 58 ->
-        15 ms per step). Within one process it stays off: there the fused
-        buffer made the same step about 10x slower
-        (``benchmarks/step_overhead.py``, ``jddp unfused`` row).
+        15 ms per step). Within one process it stays off: packing is faster
+        there for small models (1.6 against 2.8 ms per step at 8 devices), but
+        2.5x slower when a leaf over 1 MiB shares the all-reduce with the packed
+        buffer (``jddp.engine.fused`` says why it was once 17x slower, and
+        what remains).
       shard_optimizer: ZeRO-1 (PyTorch's ``ZeroRedundancyOptimizer``): each
         device keeps ``1/N`` of the optimizer state; gradients are
         reduce-scattered instead of all-reduced, each device updates its slice
