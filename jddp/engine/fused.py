@@ -35,7 +35,8 @@ shares the all-reduce with the packed buffer (a 2048-wide MLP: its 16 MiB
 weight alone), the step takes 2.5x as long as one buffer per leaf. Packing
 every leaf instead costs 1.07x. Across processes the same mix is 1.29x faster
 than one buffer per leaf (``benchmarks/multiprocess_step.py --hidden 2048``,
-2x2). So ``DataParallel`` keeps packing off by default within one process.
+2x2). So by default ``DataParallel`` packs within one process only when no
+leaf is that large (``fused_psum_unless_large``).
 
 The sums are the same per-element sums; only the chunking of the ring, and so
 the order in which a few partial sums are added, can differ, which changes a
@@ -89,6 +90,15 @@ def fused_psum(tree, axis_name: str, max_leaf_bytes: int = MAX_LEAF_BYTES):
             out[i] = flat[offset : offset + size].reshape(np.shape(leaves[i]))
             offset += size
     return jax.tree.unflatten(treedef, out)
+
+
+def fused_psum_unless_large(tree, axis_name: str, max_leaf_bytes: int = MAX_LEAF_BYTES):
+    """``fused_psum`` when every leaf fits ``max_leaf_bytes``, else ``lax.psum`` of every leaf alone: the choice
+    for devices of one process, where a large operand beside the packed buffer made the step 2.5x slower."""
+    leaves = jax.tree.leaves(tree)
+    if any(np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64) > max_leaf_bytes for x in leaves):
+        return lax.psum(tree, axis_name)
+    return fused_psum(tree, axis_name, max_leaf_bytes)
 
 
 def fused_psum_scatter(leaves: list, layouts: list, axis_name: str, num_devices: int,

@@ -74,11 +74,11 @@ class DataParallel:
         buffers of their own) instead of one buffer per leaf; ``None`` does so
         on CPU devices of several processes, where XLA runs one gloo ring pass
         per buffer in sequence (MNIST-1D MLP at 2 processes x 4 devices: 58 ->
-        15 ms per step). Within one process it stays off: packing is faster
-        there for small models (1.6 against 2.8 ms per step at 8 devices), but
-        2.5x slower when a leaf over 1 MiB shares the all-reduce with the packed
-        buffer (``jddp.engine.fused`` says why it was once 17x slower, and
-        what remains).
+        15 ms per step). Within one process, ``None`` packs unless a leaf is
+        over 1 MiB: packing is faster there for small models (1.6 against 2.7 ms
+        per step at 8 devices), but 2.5x slower when a large leaf shares the
+        all-reduce with the packed buffer (``jddp.engine.fused`` says why it was
+        once 17x slower everywhere, and what remains).
       shard_optimizer: ZeRO-1 (PyTorch's ``ZeroRedundancyOptimizer``): each
         device keeps ``1/N`` of the optimizer state; gradients are
         reduce-scattered instead of all-reduced, each device updates its slice
@@ -131,13 +131,17 @@ class DataParallel:
         )  # fmt: skip
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
         self.num_devices = mesh.shape[DATA]
+        psum = fused.fused_psum if fuse_allreduce else lax.psum
         if fuse_allreduce is None:  # the same on every process: the mesh is global
             devices = list(mesh.devices.flat)
-            fuse_allreduce = all(d.platform == "cpu" for d in devices) and len({d.process_index for d in devices}) > 1
+            fuse_allreduce = all(d.platform == "cpu" for d in devices)
+            several = len({d.process_index for d in devices}) > 1
+            # Within one process, packing is the faster unless a large leaf would share the all-reduce with the
+            # packed buffer (``jddp.engine.fused``): there every leaf goes alone.
+            psum = (fused.fused_psum if several else fused.fused_psum_unless_large) if fuse_allreduce else lax.psum
         self._rep = runtime.replicated(mesh)
         self._batch = runtime.batch_sharding(mesh)
         self._checked: tuple | None = None
-        psum = fused.fused_psum if fuse_allreduce else lax.psum
         self._device = step_lib.DeviceStep(
             loss_fn, optimizer, eval_fn, self.options, self.num_devices, psum, fuse=fuse_allreduce
         )
