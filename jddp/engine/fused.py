@@ -66,18 +66,8 @@ def fused_psum(tree, axis_name: str, max_leaf_bytes: int = MAX_LEAF_BYTES):
       A pytree of the same structure, shapes and dtypes holding the sums.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    groups: dict[np.dtype, list[int]] = {}
-    large = []
-    for i, x in enumerate(leaves):
-        if np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64) > max_leaf_bytes:
-            large.append(i)
-        else:
-            groups.setdefault(np.dtype(x.dtype), []).append(i)
-    # The barrier keeps XLA from fusing the leaves' producers (the backward pass) into the concatenation: on CPU
-    # that loop fusion ran the MNIST-1D MLP step 17x slower in one process (the module docstring).
-    packed = [i for idx in groups.values() for i in idx]
-    for i, x in zip(packed, lax.optimization_barrier([leaves[i] for i in packed]), strict=True):
-        leaves[i] = x
+    groups, large = _grouped(leaves, max_leaf_bytes)
+    leaves = _fenced(leaves, groups)
     flats = [jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]) for idx in groups.values()]
     summed, summed_large = lax.psum((flats, [leaves[i] for i in large]), axis_name)
     out = list(leaves)
@@ -95,8 +85,7 @@ def fused_psum(tree, axis_name: str, max_leaf_bytes: int = MAX_LEAF_BYTES):
 def fused_psum_unless_large(tree, axis_name: str, max_leaf_bytes: int = MAX_LEAF_BYTES):
     """``fused_psum`` when every leaf fits ``max_leaf_bytes``, else ``lax.psum`` of every leaf alone: the choice
     for devices of one process, where a large operand beside the packed buffer made the step 2.5x slower."""
-    leaves = jax.tree.leaves(tree)
-    if any(np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64) > max_leaf_bytes for x in leaves):
+    if any(_nbytes(x) > max_leaf_bytes for x in jax.tree.leaves(tree)):
         return lax.psum(tree, axis_name)
     return fused_psum(tree, axis_name, max_leaf_bytes)
 
@@ -118,16 +107,10 @@ def fused_psum_scatter(leaves: list, layouts: list, axis_name: str, num_devices:
       and one reduce-scatter hands device ``i`` the sum of row ``i``.
     """
     out: list = [None] * len(leaves)
-    groups: dict[np.dtype, list[int]] = {}
-    for i, (x, lay) in enumerate(zip(leaves, layouts, strict=True)):
-        if np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64) > max_leaf_bytes:
-            out[i] = lax.psum_scatter(x, axis_name, scatter_dimension=lay.axis, tiled=True)
-        else:
-            groups.setdefault(np.dtype(x.dtype), []).append(i)
-    leaves = list(leaves)
-    packed = [i for idx in groups.values() for i in idx]  # as in fused_psum: no producer fused into the packing
-    for i, x in zip(packed, lax.optimization_barrier([leaves[i] for i in packed]), strict=True):
-        leaves[i] = x
+    groups, large = _grouped(leaves, max_leaf_bytes)
+    for i in large:
+        out[i] = lax.psum_scatter(leaves[i], axis_name, scatter_dimension=layouts[i].axis, tiled=True)
+    leaves = _fenced(leaves, groups)
     for idx in groups.values():
         rows = jnp.concatenate([jnp.moveaxis(leaves[i], layouts[i].axis, 0).reshape(num_devices, -1) for i in idx], 1)
         mine = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=False)  # row i, on device i
@@ -145,12 +128,9 @@ def fused_all_gather(slices: list, layouts: list, axis_name: str, num_devices: i
     """The inverse of ``fused_psum_scatter``'s split: every device's slice of each leaf gathered, the small leaves
     in one buffer per dtype. Returns the stored-shape leaves, the same on every device (invariant)."""
     out: list = [None] * len(slices)
-    groups: dict[np.dtype, list[int]] = {}
-    for i, (x, lay) in enumerate(zip(slices, layouts, strict=True)):
-        if np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64) * num_devices > max_leaf_bytes:
-            out[i] = lax.all_gather(x, axis_name, axis=lay.axis, tiled=True, to="invarying")
-        else:
-            groups.setdefault(np.dtype(x.dtype), []).append(i)
+    groups, large = _grouped(slices, max_leaf_bytes, num_devices)  # sized as gathered
+    for i in large:
+        out[i] = lax.all_gather(slices[i], axis_name, axis=layouts[i].axis, tiled=True, to="invarying")
     for idx in groups.values():
         flat = jnp.concatenate([jnp.ravel(jnp.moveaxis(slices[i], layouts[i].axis, 0)) for i in idx])
         every = lax.all_gather(flat, axis_name, axis=0, tiled=False, to="invarying")  # [N, slice sizes]
@@ -161,6 +141,33 @@ def fused_all_gather(slices: list, layouts: list, axis_name: str, num_devices: i
             whole = every[:, offset : offset + size].reshape(num_devices * moved[0], *moved[1:])
             out[i] = jnp.moveaxis(whole, 0, layouts[i].axis)
             offset += size
+    return out
+
+
+def _nbytes(x) -> int:
+    return int(np.dtype(x.dtype).itemsize * np.prod(np.shape(x), dtype=np.int64))
+
+
+def _grouped(leaves, max_leaf_bytes: int, times: int = 1) -> tuple[dict[np.dtype, list[int]], list[int]]:
+    """The indices of the leaves to pack, by dtype, and of those over ``max_leaf_bytes`` (``times`` their size)."""
+    groups: dict[np.dtype, list[int]] = {}
+    large = []
+    for i, x in enumerate(leaves):
+        if _nbytes(x) * times > max_leaf_bytes:
+            large.append(i)
+        else:
+            groups.setdefault(np.dtype(x.dtype), []).append(i)
+    return groups, large
+
+
+def _fenced(leaves, groups: dict[np.dtype, list[int]]) -> list:
+    """``leaves`` with the ones to pack behind one ``optimization_barrier``: it keeps XLA from fusing their
+    producers (the backward pass) into the packing concatenation, which on CPU ran the MNIST-1D MLP step 17x
+    slower in one process (the module docstring)."""
+    out = list(leaves)
+    packed = [i for idx in groups.values() for i in idx]
+    for i, x in zip(packed, lax.optimization_barrier([out[i] for i in packed]), strict=True):
+        out[i] = x
     return out
 
 
