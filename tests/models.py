@@ -8,8 +8,9 @@ state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -225,3 +226,19 @@ def pmap_sgd(model: Model, batches: list[dict], lr: float, n: int):
 def flat(tree) -> dict[str, np.ndarray]:
     """A pytree's leaves as host arrays by key path (for ``np.savez``)."""
     return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree.leaves_with_path(tree)}
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[list[str]]:
+    """A list that collects one entry per XLA backend compilation while the block runs."""
+    compiles: list[str] = []
+
+    def listener(event: str, duration_secs: float, **kwargs) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

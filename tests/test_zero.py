@@ -252,12 +252,7 @@ def test_no_recompilation_donation_and_eval(mesh):
     model = models.pytree()
     dp = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh, shard_optimizer=True)
     state = dp.init(model.params)
-    compiles = []
-    listener = lambda event, duration, **kw: (
-        compiles.append(event) if event.endswith("backend_compile_duration") else None
-    )
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with models.counting_compiles() as compiles:
         state, _ = dp.step(state, models.batch(64, 0))
         first = len(compiles)
         for seed in range(1, 4):
@@ -265,8 +260,6 @@ def test_no_recompilation_donation_and_eval(mesh):
             state, _ = dp.step(state, models.batch(64, seed))
             assert old.opt_state[0].mu["w1"].is_deleted()  # donated: updated in place
         jax.block_until_ready(state)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert first >= 1 and len(compiles) == first
     rep = jddp.DataParallel(model.loss_fn, optax.adam(1e-3), mesh=mesh)
     b = models.batch(64, 9, mask=models.uneven_mask(64, 9, N))
