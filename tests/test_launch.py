@@ -19,7 +19,7 @@ import pytest
 import jddp
 from jddp import exitcodes, net
 from jddp.cli import launch as launch_lib
-from jddp.cli import output
+from jddp.cli import output, reports
 from tests import models, multiprocess
 
 pytestmark = pytest.mark.multiprocess
@@ -341,11 +341,10 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
         for argv in argvs
     ]
     survivor = 1 - victim
-    # Node 0's launcher cannot learn that the group ended on node 1 while its own process 0 is frozen (nothing of
-    # node 1 reaches it but through the coordination service, which it hosts): it is stopped from outside, as a
-    # scheduler or a user would, once the survivor's launcher has ended. Documented in docs/guides/launch.md.
-    stuck = nodes == 2 and victim == 0 and how in ("sigstop", "gil")
-    results, ends = ended_launchers(launchers, stop_last=stuck)
+    # A process frozen on node 0 never notices the group's end: node 1's launcher reports it to node 0's
+    # (jddp.cli.reports), which then stops it.
+    frozen_on_0 = nodes == 2 and victim == 0 and how in ("sigstop", "gil")
+    results, ends = ended_launchers(launchers)
     stdout = "".join(out for out, _ in results)
     stderr = "".join(err for _, err in results)
     shown = stdout[-2000:] + stderr[-4000:]
@@ -358,7 +357,11 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
     # survivor's 69, then stops it (SIGTERM, the kill grace, SIGKILL), so the launcher ends that much later.
     extra = launch_lib.PEER_LOST_WAIT_S + 1 if how in ("sigstop", "gil") and nodes == 1 else 0
     assert group_end - float(ending[0].split()[-1]) < PEER_TIMEOUT + 10 + extra, shown
-    if nodes == 2 and not stuck:
+    if frozen_on_0:  # node 0's launcher: the report, the wait for its own processes, the kill grace
+        assert ends[0] - ends[1] < launch_lib.PEER_LOST_WAIT_S + 5, shown
+        reported = r"the group failed on another node \(node 1: process 1 stopped after losing a peer \(exit 69\)\)"
+        assert re.search(reported, stderr), shown
+    elif nodes == 2:
         assert max(ends) - float(ending[0].split()[-1]) < 2 * PEER_TIMEOUT + 15, shown
     expected = SURVIVOR_LINE[how].format(v=victim)
     assert re.search(rf"\[{survivor}\] jddp: process {survivor} of 2 ({expected})", stderr), shown
@@ -366,21 +369,18 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
     victim_says = exitcodes.describe(code)
     if how in ("sigstop", "gil"):
         victim_says = f"did not end with the group (frozen or stuck), stopped by the launcher: {victim_says}"
-    assert f"first failure: process {victim}, {victim_says}" in stderr or nodes == 2, shown
+    assert f"first failure: process {victim}, {victim_says}" in stderr or (nodes == 2 and not frozen_on_0), shown
     codes = [launcher.returncode for launcher in launchers]
     if nodes == 1:
         assert codes == [code if code >= 0 else 128 - code], shown
-    elif stuck:
-        assert codes[survivor] == exitcodes.EXIT_PEER_LOST and codes[victim] != 0, shown
     else:
         assert codes[survivor] == exitcodes.EXIT_PEER_LOST and codes[victim] == (code if code >= 0 else 128 - code), (
             shown
         )
 
 
-def ended_launchers(launchers: list[subprocess.Popen], *, stop_last: bool) -> tuple[list, list[float]]:
-    """Each launcher's (stdout, stderr) and the time it ended. With ``stop_last``, the last launcher still running
-    once the others have ended gets SIGTERM (a scheduler's stop)."""
+def ended_launchers(launchers: list[subprocess.Popen]) -> tuple[list, list[float]]:
+    """Each launcher's (stdout, stderr) and the time it ended."""
     results: list = [None] * len(launchers)
     ends = [0.0] * len(launchers)
 
@@ -391,13 +391,6 @@ def ended_launchers(launchers: list[subprocess.Popen], *, stop_last: bool) -> tu
     threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(launchers))]
     for t in threads:
         t.start()
-    if stop_last:
-        while sum(t.is_alive() for t in threads) > 1:
-            time.sleep(0.1)
-        time.sleep(2.0)
-        for launcher in launchers:
-            if launcher.poll() is None:
-                launcher.send_signal(signal.SIGTERM)
     for t in threads:
         t.join()
     return results, ends
@@ -547,3 +540,97 @@ def test_with_cpu_share_each_process_gets_its_share_of_the_cores():
     assert all(s["cores"] == cores and s["omp"] is None for s in shares(done.stdout).values())
     done = multiprocess.launch("-n", "2", "--cpu-share", affinity, env={"OMP_NUM_THREADS": "7"})
     assert all(s["omp"] == "7" for s in shares(done.stdout).values())  # the user's own setting stays
+
+
+def two_launchers(*argv: str, port: int | None = None) -> list[subprocess.Popen]:
+    """``jddp launch --nnodes 2`` twice on loopback, one launcher per "host", each with one process."""
+    port = port or net.free_port()
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jddp.launch",
+                *("--nnodes", "2", "--node-rank", str(i), "--coordinator", f"127.0.0.1:{port}"),
+                *argv,
+            ],
+            env=multiprocess.environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=multiprocess.ROOT,
+        )
+        for i in (0, 1)
+    ]
+
+
+def test_under_two_launchers_a_failure_on_node_1_restarts_node_0_at_once():
+    """Node 1's launcher reports its failed attempt to node 0's (jddp.cli.reports): with a restart to follow, node 0
+    stops its processes at once instead of waiting the peer timeout for them to notice, and both nodes finish the
+    second attempt."""
+    peer_timeout = 60
+    common = ("--max-restarts", "1", "--kill-grace", "1", "--peer-timeout", str(peer_timeout))
+    launchers = two_launchers(*common, GROUP, "die", "1", "12", "1")
+    results, ends = ended_launchers(launchers)
+    stdout = "".join(out for out, _ in results)
+    stderr = "".join(err for _, err in results)
+    shown = stdout[-2000:] + stderr[-4000:]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], shown
+    assert "the group failed on another node (node 1: process 1 killed by SIGKILL); a restart follows" in stderr
+    assert "first failure on another node (node 1: process 1 killed by SIGKILL)" in stderr, shown
+    assert sorted(lines_with(stdout, "DONE")) == ["[0] DONE 0 attempt 1", "[1] DONE 1 attempt 1"], shown
+    killed = float(lines_with(stdout, "KILLING")[0].split()[-1])
+    assert max(ends) - killed < peer_timeout, shown  # process 0 was not left to find its peer lost by itself
+
+
+def test_reports_between_launchers_are_parsed_strictly():
+    good = {"node": 1, "attempt": 0, "code": -9, "what": "process 1 killed by SIGKILL"}
+    assert reports.parse(json.dumps(good).encode() + b"\n", 2) == reports.Report(1, 0, -9, good["what"])
+    bad = [
+        b"",
+        b"not json",
+        b"\xff\xfe",
+        b"[1, 0, 9]",
+        json.dumps({**good, "node": 0}).encode(),  # node 0 does not report to itself
+        json.dumps({**good, "node": 2}).encode(),  # out of --nnodes
+        json.dumps({**good, "node": True}).encode(),
+        json.dumps({**good, "attempt": -1}).encode(),
+        json.dumps({**good, "code": "9"}).encode(),
+        json.dumps({**good, "what": None}).encode(),
+        json.dumps({k: v for k, v in good.items() if k != "code"}).encode(),
+    ]
+    for data in bad:
+        assert reports.parse(data, 2) is None, data
+
+
+def test_report_server_keeps_the_first_report_of_each_node_per_attempt():
+    port = net.free_port()
+    server = reports.ReportServer("127.0.0.1", port, nnodes=3)
+    try:
+        to = ("127.0.0.1", port)
+        assert reports.send(to, reports.Report(2, 0, 69, "process 5 stopped after losing a peer (exit 69)"))
+        assert reports.send(to, reports.Report(1, 0, -9, "process 3 killed by SIGKILL"))
+        assert reports.send(to, reports.Report(1, 0, 1, "a later one"))
+        assert reports.send(to, reports.Report(1, 1, 3, "the next attempt"))
+        with socket.create_connection(to) as junk:
+            junk.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        with socket.create_connection(to) as big:
+            big.sendall(b"x" * (reports.MAX_REPORT_BYTES + 10))
+        deadline = time.monotonic() + 10
+        while len(server.reports(0)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert [(r.node, r.code) for r in server.reports(0)] == [(1, -9), (2, 69)]
+        assert [(r.node, r.code) for r in server.reports(1)] == [(1, 3)]
+        assert server.reports(2) == []
+        with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}.*already in use.*--coordinator port whose next"):
+            reports.ReportServer("127.0.0.1", port, nnodes=2)
+    finally:
+        server.close()
+    assert not reports.send(("127.0.0.1", port), reports.Report(1, 0, 1, "nobody listens"))
+
+
+def test_the_coordinator_port_leaves_room_for_the_report_port():
+    with pytest.raises(ValueError, match=r"--coordinator 10\.0\.0\.1:65535: .*port \+ 1"):
+        launch_lib.LaunchConfig(target="train", module=True, nnodes=2, coordinator="10.0.0.1:65535")
+    launch_lib.LaunchConfig(target="train", module=True, coordinator="10.0.0.1:65535")  # one node: no report port

@@ -33,7 +33,10 @@ process 0, and the processes get ``JDDP_COORDINATOR_HOSTED=1``. Losing process 0
 is then like losing any other: JAX would otherwise abort every survivor from
 C++ the moment process 0 dies. After a failure of its own processes, node 0's
 launcher keeps the service up ``peer timeout + 5`` seconds more, so that the
-other nodes' processes find the failed one and name it. Unless
+other nodes' processes find the failed one and name it. With ``--nnodes > 1``
+node 0's launcher also listens on the coordinator's port + 1, where the other
+launchers report a failed attempt (``jddp.cli.reports``): a process frozen on
+node 0 would otherwise never learn that the group ended elsewhere. Unless
 ``GLIBC_TUNABLES`` is already set, workers get glibc allocator settings that
 keep freed memory mapped (``--no-malloc-tuning`` turns this off); XLA:CPU
 allocates fresh buffers for every collective, and this setting made gloo
@@ -93,7 +96,7 @@ import time
 from types import FrameType
 
 from jddp import exitcodes, net
-from jddp.cli import output
+from jddp.cli import output, reports
 
 STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
 DEFAULT_PEER_TIMEOUT_S = 30.0  # jddp.runtime.distributed.DEFAULT_PEER_TIMEOUT_S (this module imports no JAX)
@@ -211,7 +214,12 @@ class LaunchConfig:
                 "--nnodes > 1 needs --coordinator HOST:PORT: an address of node 0 that every node can reach."
             )
         if self.coordinator is not None:
-            net.split_address(self.coordinator, name="--coordinator")
+            _, port = net.split_address(self.coordinator, name="--coordinator")
+            if self.nnodes > 1 and port + reports.PORT_OFFSET > 65535:
+                raise ValueError(
+                    f"--coordinator {self.coordinator}: with --nnodes > 1 node 0's launcher also listens on the "
+                    f"coordinator's port + 1 (the other launchers report there), so the port must be below 65535."
+                )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
         for name in ("monitor_interval", "kill_grace", "term_timeout"):
@@ -318,6 +326,7 @@ class _Launcher:
         self.previous_end: float | None = None
         self.attempt = 0
         self.note_dir = tempfile.mkdtemp(prefix="jddp-launch-")  # JDDP_LEDGER_NOTE: where fit's ledger is
+        self.reports: reports.ReportServer | None = None  # node 0 of several: the other launchers' reports
 
     # -- the coordination service (node 0 only) -------------------------------
     def start_service(self, coordinator: str) -> None:
@@ -525,13 +534,18 @@ class _Launcher:
             )
         elif first_failed is not None:
             lines.append(f"first failure: process {first_failed.process_id}, {describe(first_failed)}")
+        elif self.reports is not None and self.reports.reports(self.attempt):
+            said = "; ".join(f"node {r.node}: {r.what}" for r in self.reports.reports(self.attempt))
+            lines.append(f"first failure on another node ({said})")
         return "\n  ".join(["summary:", *lines])
 
     def first_failure(self) -> _Worker | None:
         """Of the processes found failed in this round, a killed one is the likeliest cause, then one that failed
         by itself, then one the launcher had to stop (frozen or stuck), and one that lost a peer the least likely."""
         failed = [
-            (w, w.code) for w in self.workers if w.code is not None and w.code not in (0, exitcodes.EXIT_PREEMPTED)
+            (w, w.code)
+            for w in self.workers
+            if w.code is not None and w.code not in (0, exitcodes.EXIT_PREEMPTED) and not w.stopped_for_restart
         ]
         if not failed:
             return None
@@ -551,6 +565,8 @@ class _Launcher:
             self.start(attempt)
             self.attempt = attempt
             outcome, first_failed = self.watch()
+            if outcome == "failed" and self.config.node_rank > 0:
+                self.report(attempt, first_failed)
             if (
                 outcome == "failed"
                 and self.service is not None
@@ -564,13 +580,34 @@ class _Launcher:
             self.stop_service()
             self.previous_end = time.time()
 
+    def report(self, attempt: int, first_failed: _Worker | None) -> None:
+        """Nodes other than 0: tells node 0's launcher that this attempt failed here (``jddp.cli.reports``), so that a
+        process frozen on node 0, which would never notice by itself, is stopped there too."""
+        assert self.config.coordinator is not None  # --nnodes > 1 requires it
+        if first_failed is not None and first_failed.code is not None:
+            code, what = first_failed.code, f"process {first_failed.process_id} {exitcodes.describe(first_failed.code)}"
+        else:  # stopped when node 0's service went away: the failure was there
+            code, what = exitcodes.EXIT_PEER_LOST, "its processes were stopped"
+        report = reports.Report(self.config.node_rank, attempt, code, what)
+        reports.send(reports.address(net.split_address(self.config.coordinator)), report)
+
     def linger(self) -> None:
         """After a failure of this node's own, keeps the service up while the other nodes' processes find it by
-        themselves: without it they would only see the coordinator gone, not which process failed."""
+        themselves: without it they would only see the coordinator gone, not which process failed. Ends early once
+        every other node's launcher has reported its end."""
+
+        def all_reported() -> bool:
+            return self.reports is not None and len(self.reports.reports(self.attempt)) == self.config.nnodes - 1
+
+        if all_reported():
+            return
         wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5
         self.output.say(f"keeping the coordination service up {wait:g} s for the other nodes' processes to end")
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and self.signal_received is None:
+            if all_reported():
+                self.output.say("every other node's launcher reported its processes ended")
+                return
             time.sleep(0.1)
 
     def service_gone(self) -> bool:
@@ -588,14 +625,60 @@ class _Launcher:
             self.service_silent_since = now
         return self.service_silent_since is not None and now - self.service_silent_since > SERVICE_GONE_S
 
+    def stop_for_restart(self) -> None:
+        """A restart follows: the others' end can tell nothing the launcher does not know already, and waiting for
+        them to notice (the peer timeout) is downtime. SIGKILL, not SIGTERM: a SIGTERM is a preemption, whose save
+        needs the process that is gone. A kill never damages a published checkpoint; a save in flight is cleaned up
+        when the next attempt opens the directory."""
+        self.poll()
+        for w in self.workers:
+            w.stopped_for_restart = w.code is None
+        self.signal_all(signal.SIGKILL)
+        self.wait_all(30)
+        self.finish_output()
+
+    def remote_failure(self) -> bool:
+        """Node 0 of several: acts on the other launchers' reports of a failed attempt (``jddp.cli.reports``);
+        returns whether this node's processes were stopped for it.
+
+        With a restart to follow, they are stopped at once. Otherwise they get the time they would get after a
+        failure here, to end by themselves and name what they lost: the peer timeout + 5 s when the first failure
+        there was a process of that node's own, 5 s when it was a lost peer (then a process of this node is the one
+        lost: still running after that, it is the frozen one).
+        """
+        elsewhere = self.reports.reports(self.attempt) if self.reports is not None else []
+        if not elsewhere or all(w.code is not None for w in self.workers):
+            return False
+        said = "; ".join(f"node {r.node}: {r.what}" for r in elsewhere)
+        if self.attempt < self.config.max_restarts:
+            self.output.say(f"the group failed on another node ({said}); a restart follows: stopping this node's")
+            self.stop_for_restart()
+            return True
+        if self.remote_deadline is None:
+            own = any(not exitcodes.is_peer_failure(r.code) for r in elsewhere)
+            wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5 if own else PEER_LOST_WAIT_S
+            self.remote_deadline = time.monotonic() + wait
+            self.output.say(
+                f"the group failed on another node ({said}); waiting up to {wait:g} s for this node's processes "
+                "to end, then stopping them"
+            )
+        if time.monotonic() < self.remote_deadline:
+            return False
+        self.stop_all(self.config.kill_grace)
+        self.poll()
+        return True
+
     def watch(self) -> tuple[str, _Worker | None]:
         """Watches the started processes until they all ended; returns as ``run_once`` does."""
         self.probed_at, self.service_answered, self.service_silent_since = 0.0, False, None
+        self.remote_deadline: float | None = None
         while True:
             if self.signal_received is not None:
                 self.stop_after_signal(self.signal_received)
                 return "signal", None
             self.poll()
+            if self.remote_failure():
+                return "failed", self.first_failure()
             if self.service_gone() and any(w.code is None for w in self.workers):
                 self.output.say(
                     f"the coordination service at {self.config.coordinator} has not answered for "
@@ -613,17 +696,8 @@ class _Launcher:
                 # judge the same silence and end within a watchdog round; whoever is still running after that is
                 # the frozen one.
                 if self.attempt < self.config.max_restarts and not exitcodes.is_peer_failure(first_failed.code):
-                    # A restart follows: the others' end can tell nothing the launcher does not know already, and
-                    # waiting for them to notice (the peer timeout) is downtime. SIGKILL, not SIGTERM: a SIGTERM is
-                    # a preemption, whose save needs the process that is gone. A kill never damages a published
-                    # checkpoint; a save in flight is cleaned up when the next attempt opens the directory.
                     self.output.say(f"process {first_failed.process_id} {what}; a restart follows: stopping the others")
-                    self.poll()
-                    for w in self.workers:
-                        w.stopped_for_restart = w.code is None
-                    self.signal_all(signal.SIGKILL)
-                    self.wait_all(30)
-                    self.finish_output()
+                    self.stop_for_restart()
                     return "failed", first_failed
                 wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5
                 if exitcodes.is_peer_failure(first_failed.code):
@@ -659,11 +733,20 @@ class _Launcher:
             assert self.signal_received is not None  # run_once returns "signal" only once one arrived
             return 128 + self.signal_received
         self.output.say(f"{self.summary(first_failed)}\nno restart left (--max-restarts {self.config.max_restarts})")
-        # run_once returns "failed" with the worker that failed, whose exit code is set.
-        assert first_failed is not None and first_failed.code is not None
+        if first_failed is None:  # the group failed on another node, and this node's processes ended without fault
+            return exitcodes.EXIT_PEER_LOST
+        assert first_failed.code is not None  # first_failure picks among processes that exited
         return 128 - first_failed.code if first_failed.code < 0 else first_failed.code
 
     def run(self) -> int:
+        c = self.config
+        if c.nnodes > 1 and c.node_rank == 0:
+            assert c.coordinator is not None  # --nnodes > 1 requires it
+            try:
+                self.reports = reports.ReportServer(*reports.address(net.split_address(c.coordinator)), c.nnodes)
+            except OSError as error:
+                self.output.say(str(error))
+                return 1
         previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
         try:
             attempt = 0
@@ -686,6 +769,8 @@ class _Launcher:
 
             goodput.mark_teardown(os.path.join(self.note_dir, "ledger"))
             shutil.rmtree(self.note_dir, ignore_errors=True)
+            if self.reports is not None:
+                self.reports.close()
 
 
 def launch(config: LaunchConfig) -> int:
