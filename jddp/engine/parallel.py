@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -15,13 +16,14 @@ from jax.sharding import PartitionSpec as P
 
 from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, comm, fused, replicas, zero
+from jddp.engine import checks, comm, fused, mpi, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
 from jddp.runtime import dispatch, distributed, progress, watchdog
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
+ENV_TRANSPORT = "JDDP_TRANSPORT"  # the default of `transport` (`jddp launch --transport` sets it)
 
 
 class NonFiniteError(FloatingPointError):
@@ -86,6 +88,11 @@ class DataParallel:
         leaves are split and padded: ``jddp.runtime.layout``). The training is
         the replicated engine's to float round-off, with the same options;
         checkpoints restore across device counts and engines.
+      transport: how the processes sum: ``"xla"`` (XLA's own collectives;
+        gloo across processes on CPU) or ``"mpi"`` (``MPI_Allreduce`` through
+        mpi4jax, the ``jddp[mpi]`` extra; one device per process, processes
+        started by MPI's launcher: ``jddp.engine.mpi``). ``None``:
+        ``$JDDP_TRANSPORT`` (set by ``jddp launch --transport``), else ``"xla"``.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
@@ -115,6 +122,7 @@ class DataParallel:
         max_inflight: int = 2,
         fuse_allreduce: bool | None = None,
         shard_optimizer: bool = False,
+        transport: Literal["xla", "mpi"] | None = None,
     ):
         distributed.check_joined()
         if not callable(loss_fn):
@@ -139,6 +147,21 @@ class DataParallel:
             # Within one process, packing is the faster unless a large leaf would share the all-reduce with the
             # packed buffer (``jddp.engine.fused``): there every leaf goes alone.
             psum = (fused.fused_psum if several else fused.fused_psum_unless_large) if fuse_allreduce else lax.psum
+        transport = transport or os.environ.get(ENV_TRANSPORT) or "xla"  # pyright: ignore[reportAssignmentType]
+        if transport not in ("xla", "mpi"):
+            raise ValueError(
+                f"`transport` must be 'xla' (XLA's own collectives, gloo across processes on CPU) or 'mpi' "
+                f"(MPI_Allreduce through mpi4jax), got {transport!r} (from the argument or ${ENV_TRANSPORT})."
+            )
+        if transport == "mpi":
+            if shard_optimizer:
+                raise ValueError(
+                    "transport='mpi' sums whole gradients (MPI_Allreduce); shard_optimizer=True needs a "
+                    "reduce-scatter, which only transport='xla' has. Drop one of the two."
+                )
+            mpi.check(self.num_devices)
+            psum, fuse_allreduce = mpi.mpi_psum, True
+        self.transport = transport
         self._rep = runtime.replicated(mesh)
         self._batch = runtime.batch_sharding(mesh)
         self._checked: tuple | None = None

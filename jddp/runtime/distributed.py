@@ -294,6 +294,8 @@ class _Settings:
         coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR) or None
         num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
         process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+        if coordinator is None and num_processes is None and process_id is None:
+            coordinator, num_processes, process_id = _from_mpi() or (None, None, None)
         local_devices = local_devices if local_devices is not None else _env_int(ENV_LOCAL_DEVICES)
         if init_timeout_s is None:
             init_timeout_s = _env_float(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
@@ -330,6 +332,36 @@ class _Settings:
     def single(self) -> bool:
         """Nothing to join: one process, or no group given and no cluster detected."""
         return self.num_processes == 1 or (self.num_processes is None and not jax_internals.cluster_detected())
+
+
+def _from_mpi() -> tuple[str, int, int] | None:
+    """Under MPI's launcher (``mpiexec`` of MPICH's hydra sets ``PMI_RANK`` and ``PMI_SIZE``), the group is the MPI
+    world: ``(coordinator, num_processes, process_id)``, with rank 0 choosing the coordinator's address (loopback when
+    every rank runs on its host) and broadcasting it. None when not started by MPI's launcher.
+
+    Raises:
+      RuntimeError: started by MPI's launcher as several processes, but mpi4py is not installed: each process would
+        otherwise train alone.
+    """
+    rank, size = _env_int("PMI_RANK"), _env_int("PMI_SIZE")
+    if rank is None or size is None or size < 2:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise RuntimeError(
+            f"This process was started by MPI's launcher as rank {rank} of {size} (PMI_RANK, PMI_SIZE), but mpi4py "
+            f"cannot be imported ({error}), so jddp cannot join the others. Install jddp's MPI extra "
+            '(`pip install "jddp[mpi]"`), or start the processes with `jddp launch -n N`.'
+        ) from None
+    comm = MPI.COMM_WORLD
+    hosts = comm.allgather(socket.gethostname())
+    address = None
+    if comm.Get_rank() == 0:
+        host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+        address = f"{host}:{net.free_port(host if host == '127.0.0.1' else '0.0.0.0')}"
+    address = comm.bcast(address, root=0)
+    return address, comm.Get_size(), comm.Get_rank()
 
 
 def _prepare_backend(settings: _Settings) -> None:

@@ -1,0 +1,175 @@
+"""The cross-process sum through MPI: ``DataParallel(transport="mpi")`` (the ``jddp[mpi]`` extra, on mpi4jax).
+
+XLA:CPU's gloo all-reduce is out of place, allocates per call and runs one
+ring per operand (JAX_NOTES). MPI's ``MPI_Allreduce`` (MPICH over shared memory
+or TCP) reduces the same bytes with less overhead. mpi4jax exposes it as an XLA
+FFI custom call (``mpi_allreduce_ffi``), but its JAX primitive carries an
+*ordered effect*, and JAX refuses ordered effects in a program of more than one
+device: a data-parallel step over several processes is exactly that. So jddp
+binds the same FFI target through a primitive of its own:
+
+* no ordered effect: the sums of one step are issued in one chain (each call's
+  token is the previous call's), inside one program that every process runs
+  alike, so every rank issues the same MPI calls in the same order;
+* its abstract evaluation is ``lax.psum``'s (the result is invariant over the
+  data axis), so ``shard_map`` treats it as the all-reduce it is;
+* every leaf of a dtype travels packed in one buffer (``mpi_psum``), as with
+  ``fuse_allreduce``: one ``MPI_Allreduce`` per dtype and step.
+
+Each process must hold exactly one device of the mesh: every device of a
+process runs the step program, and several devices of one process would each
+call ``MPI_Allreduce`` on the same communicator. The MPI world must be the JAX
+group: rank ``i`` is process ``i`` (``check``). Exactness is the gloo path's:
+one sum of the gradients, the counts and the metrics per step, divided once
+(tested against the gloo transport in ``tests/test_mpi.py``).
+
+Failure semantics stay jddp's: a process blocked in ``MPI_Allreduce`` on a
+dead peer holds no GIL, so its watchdog still finds the peer silent and exits
+69 naming it (``jddp.runtime.watchdog``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp.engine import fused
+
+INSTALL = (
+    'pip install "jddp[mpi]" (the mpich and mpi4py wheels, and mpi4jax, built from source with the mpicc of the '
+    "mpich wheel: put the venv's bin first on PATH; if a CUDA compiler is on PATH without CUDA's headers, hide it "
+    "from the build, for example PATH=$VIRTUAL_ENV/bin:/usr/bin:/bin pip install mpi4jax)"
+)
+
+
+def unavailable() -> str | None:
+    """Why the MPI transport cannot run here (the import error and how to install), or None when it can."""
+    try:
+        import mpi4jax  # noqa: F401  # registers the mpi_allreduce_ffi target with XLA
+        from mpi4py import MPI  # noqa: F401
+    except Exception as error:  # ImportError, or a broken MPI library (OSError, RuntimeError)
+        return f"{type(error).__name__}: {error}. Install it with {INSTALL}."
+    return None
+
+
+def check(num_devices: int) -> None:
+    """Raises unless the MPI transport can run the step of a mesh of ``num_devices`` devices in this group.
+
+    Raises:
+      RuntimeError: mpi4jax or MPI is missing (why, and how to install), or the MPI world is not the JAX group
+        (the sizes and ranks, and how to start the processes).
+      ValueError: a process holds more than one device of the mesh.
+    """
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(f"transport='mpi' needs mpi4jax and an MPI library: {reason}")
+    from mpi4py import MPI
+
+    size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    if size != jax.process_count() or rank != jax.process_index():
+        raise RuntimeError(
+            f"transport='mpi': the MPI world (size {size}, this rank {rank}) is not the JAX group (process "
+            f"{jax.process_index()} of {jax.process_count()}). Start the processes with MPI's launcher so that MPI "
+            "rank i is JAX process i: `mpiexec -n N python train.py` (jddp.initialize() then joins by the MPI rank), "
+            "`jddp launch --transport mpi -n N train.py`, or srun with MPI support."
+        )
+    if num_devices != jax.process_count():
+        raise ValueError(
+            f"transport='mpi' needs one device per process, got a mesh of {num_devices} device(s) over "
+            f"{jax.process_count()} process(es). Start one process per device (`jddp launch --transport mpi -n "
+            f"{num_devices}`, without --devices-per-process), or use transport='xla'."
+        )
+
+
+@functools.cache
+def _comm():
+    """A communicator of jddp's own (a duplicate of COMM_WORLD), so that the user's MPI calls never interleave
+    with the step's. Created at the first step, collectively: every process builds its step alike."""
+    from mpi4jax._src.utils import wrap_as_hashable  # the comm as mpi4jax's FFI target takes it
+    from mpi4py import MPI
+
+    return wrap_as_hashable(MPI.COMM_WORLD.Clone())
+
+
+def mpi_psum(tree, axis_name: str):
+    """``lax.psum(tree, axis_name)`` through ``MPI_Allreduce``: every leaf of a dtype packed in one buffer, one call
+    per dtype. Inside ``shard_map`` over a mesh of one device per process (``check``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups, _ = fused._grouped(leaves, max_leaf_bytes=np.iinfo(np.int64).max)
+    leaves = fused._fenced(leaves, groups)
+    flats = [jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]) for idx in groups.values()]
+    summed = _allreduce_p.bind(*flats, comm=_comm(), axis_name=axis_name) if flats else []
+    out = list(leaves)
+    for idx, flat in zip(groups.values(), summed, strict=True):
+        offset = 0
+        for i in idx:
+            size = int(np.prod(np.shape(leaves[i]), dtype=np.int64))
+            out[i] = flat[offset : offset + size].reshape(np.shape(leaves[i]))
+            offset += size
+    return jax.tree.unflatten(treedef, out)
+
+
+# -- the primitive (private JAX and mpi4jax API, pinned by the extra's version range) -----------------------------
+
+
+def _make_primitive():
+    from jax._src import core
+    from jax._src.interpreters import mlir
+
+    p = core.Primitive("jddp_mpi_allreduce")
+    p.multiple_results = True
+
+    def abstract_eval(*avals, comm, axis_name):
+        del comm
+        out = []
+        for aval in avals:
+            varying = frozenset(a for a in aval.mat.varying if a != axis_name)
+            out.append(aval.update(manual_axis_type=aval.mat.update(varying=varying)))
+        return out, {core.NamedAxisEffect(axis_name)}
+
+    p.def_effectful_abstract_eval(abstract_eval)
+
+    def lowering(ctx, *args, comm, axis_name):
+        del axis_name
+        from jax._src.lib.mlir.dialects import hlo
+        from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle, unpack_hashable
+        from mpi4py import MPI
+
+        call = jax.ffi.ffi_lowering("mpi_allreduce_ffi", has_side_effect=True)
+        handle = np.int64(to_mpi_handle(unpack_hashable(comm)))
+        token = hlo.create_token()
+        results = []
+        for x, aval_in, aval_out in zip(args, ctx.avals_in, ctx.avals_out, strict=True):
+            one = ctx.replace(avals_in=(aval_in, core.abstract_token), avals_out=(aval_out, core.abstract_token))
+            result, token = call(
+                one,
+                x,
+                token,
+                nitems=np.int64(np.prod(aval_in.shape, dtype=np.int64)),
+                op=np.int64(to_mpi_handle(MPI.SUM)),
+                comm=handle,
+                dtype=np.int64(to_dtype_handle(aval_in.dtype)),
+            )
+            results.append(result)
+        return results
+
+    mlir.register_lowering(p, lowering, platform="cpu")
+    return p
+
+
+class _Lazy:
+    """The primitive, made at first use: importing jddp must not import mpi4jax."""
+
+    _p: Any = None
+
+    def bind(self, *args, **params):
+        if _Lazy._p is None:
+            _Lazy._p = _make_primitive()
+        return _Lazy._p.bind(*args, **params)
+
+
+_allreduce_p = _Lazy()
