@@ -164,6 +164,13 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         help="pin each process to its own share of the cores, with OpenMP and XLA threads to match (measured "
         "slower on a 2-core VM; see BENCHMARKS.md)",
     )
+    parser.add_argument(
+        "--transport",
+        choices=("xla", "mpi"),
+        default="xla",
+        help="how the processes sum gradients: xla (gloo on CPU, default) or mpi (MPI_Allreduce, the jddp[mpi] extra: "
+        "the processes are started under the mpich wheel's mpiexec)",
+    )
     parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="the script (or module with -m) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -199,6 +206,7 @@ class LaunchConfig:
     peer_timeout: float | None = None  # seconds before a silent peer counts as dead (JDDP_PEER_TIMEOUT)
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
     cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
+    transport: str = "xla"  # "mpi": the processes run under mpiexec and sum through MPI (jddp.engine.mpi)
 
     def __post_init__(self) -> None:
         if self.nprocs < 1:
@@ -228,6 +236,14 @@ class LaunchConfig:
                 raise ValueError(f"--{flag} must be a positive number of seconds, got {getattr(self, name)}.")
         if self.peer_timeout is not None and not self.peer_timeout > 0:
             raise ValueError(f"--peer-timeout must be a positive number of seconds, got {self.peer_timeout}.")
+        if self.transport not in ("xla", "mpi"):
+            raise ValueError(f"--transport must be xla or mpi, got {self.transport!r}.")
+        if self.transport == "mpi" and (self.nnodes > 1 or (self.devices_per_process or 1) > 1 or self.cpu_share):
+            raise ValueError(
+                "--transport mpi runs one device per process on this node under MPI's own launcher: drop --nnodes, "
+                "--devices-per-process and --cpu-share (for several hosts, start the processes with mpiexec's "
+                "-hosts or with srun; jddp.initialize() joins the MPI world)."
+            )
         if not self.module and not os.path.exists(self.target):
             raise ValueError(f"script {self.target!r} does not exist (use -m to run a module).")
 
@@ -514,6 +530,64 @@ class _Launcher:
             self.wait_all(30)
         self.finish_output()
 
+    # -- --transport mpi: the group under mpiexec ------------------------------
+    def run_mpi(self) -> int:
+        """Runs the group as one ``mpiexec -n N`` per attempt: MPI's process manager (hydra) starts the processes,
+        prefixes their lines with their rank and ends the group when one is killed (naming its pid and signal); a
+        process that exits early is named by the others' watchdogs (exit 69), as under the gloo transport."""
+        c = self.config
+        try:
+            mpiexec = find_mpiexec()
+        except FileNotFoundError as error:
+            self.output.say(str(error))
+            return 1
+        previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
+        try:
+            for attempt in range(c.max_restarts + 1):
+                # Not `python -u`: unbuffered, print() writes a line and its end apart, and mpiexec prefixes
+                # each write with the rank; jddp.initialize() makes the streams line-buffered instead.
+                argv = [mpiexec, "-n", str(c.nprocs), "-prepend-rank", *(a for a in command(c) if a != "-u")]
+                popen = subprocess.Popen(
+                    argv,
+                    env=mpi_environment(c, attempt),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+                worker = _Worker(0, popen)
+                self.workers = [worker]
+                for pipe, target, native in ((popen.stdout, sys.stdout, True), (popen.stderr, sys.stderr, False)):
+                    reader = threading.Thread(
+                        target=self.output.pump, args=(pipe, target, b""), kwargs={"native": native}, daemon=True
+                    )
+                    reader.start()
+                    worker.readers.append(reader)
+                self.output.say(
+                    f"started {c.nprocs} processes under {mpiexec} (attempt {attempt + 1} of {c.max_restarts + 1}, "
+                    f"transport mpi): {' '.join(argv[4:])}"
+                )
+                while popen.poll() is None and self.signal_received is None:
+                    time.sleep(c.monitor_interval)
+                if self.signal_received is not None:
+                    self.stop_after_signal(self.signal_received)
+                    code = popen.returncode
+                    return exitcodes.EXIT_PREEMPTED if code == exitcodes.EXIT_PREEMPTED else 128 + self.signal_received
+                self.finish_output()
+                code = popen.returncode
+                if code in (0, exitcodes.EXIT_PREEMPTED):
+                    return code
+                what = exitcodes.describe(code)
+                if attempt < c.max_restarts:
+                    restarts = f"{attempt + 1} of {c.max_restarts}"
+                    self.output.say(f"the group under mpiexec {what}; restarting it ({restarts})")
+                    continue
+                self.output.say(f"the group under mpiexec {what}; no restart left (--max-restarts {c.max_restarts})")
+                return 128 - code if code < 0 else code
+            raise AssertionError("unreachable: the last attempt returns")
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
     # -- the run ------------------------------------------------------------
     def summary(self, first_failed: _Worker | None) -> str:
         def describe(w: _Worker) -> str:
@@ -740,6 +814,8 @@ class _Launcher:
 
     def run(self) -> int:
         c = self.config
+        if c.transport == "mpi":
+            return self.run_mpi()
         if c.nnodes > 1 and c.node_rank == 0:
             assert c.coordinator is not None  # --nnodes > 1 requires it
             try:
@@ -771,6 +847,41 @@ class _Launcher:
             shutil.rmtree(self.note_dir, ignore_errors=True)
             if self.reports is not None:
                 self.reports.close()
+
+
+def mpi_environment(config: LaunchConfig, attempt: int) -> dict[str, str]:
+    """The environment of ``mpiexec`` under ``--transport mpi``: no ``JDDP_*`` group variables (each process joins by
+    its MPI rank), the transport, and the launcher's other settings."""
+    env = dict(os.environ)
+    for name in ("JDDP_COORDINATOR", "JDDP_NUM_PROCESSES", "JDDP_PROCESS_ID", "JDDP_LOCAL_DEVICES"):
+        env.pop(name, None)
+    env.update(
+        JDDP_TRANSPORT="mpi",
+        JDDP_RESTART_COUNT=str(attempt),
+        JDDP_MAX_RESTARTS=str(config.max_restarts),
+    )
+    env.pop("PYTHONUNBUFFERED", None)
+    if config.peer_timeout is not None:
+        env["JDDP_PEER_TIMEOUT"] = str(config.peer_timeout)
+    if config.malloc_tuning and "GLIBC_TUNABLES" not in env:
+        env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
+    return env
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` beside this Python (the mpich wheel's), else on PATH.
+
+    Raises:
+      FileNotFoundError: none found, naming the extra to install.
+    """
+    here = os.path.dirname(sys.executable)
+    found = shutil.which("mpiexec", path=here) or shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError(
+            f"--transport mpi needs MPI's mpiexec, found neither beside {sys.executable} nor on PATH. Install "
+            'jddp\'s MPI extra: pip install mpich, then pip install "jddp[mpi]" (docs/guides/launch.md, MPI).'
+        )
+    return found
 
 
 def launch(config: LaunchConfig) -> int:

@@ -55,6 +55,9 @@ def only_gloo(line: bytes) -> bool:
     return True
 
 
+RANK_PREFIX = re.compile(rb"^\[\d+\] ")
+
+
 def native_line(line: bytes) -> bytes | None:
     """A line of a process's native stdout, or ``None`` when it is nothing but gloo's chatter.
 
@@ -95,10 +98,11 @@ class Output:
     def pump(self, pipe: IO[bytes], target: TextIO, prefix: bytes, *, native: bool = False) -> None:
         """Copies ``pipe`` to ``target`` piece by piece, each after ``prefix``, until the pipe closes.
 
-        With ``native``, the pipe is a process's fd 1, where C++ writes: lines with gloo's chatter are dropped.
+        With ``native``, the pipe is a process's fd 1, where C++ writes: lines with gloo's chatter are dropped, also
+        behind a rank's ``[N] `` (``mpiexec -prepend-rank``).
         """
         for piece in segments(pipe):
-            if piece == b"\r" or (native and native_line(piece) is None):
+            if piece == b"\r" or (native and native_line(RANK_PREFIX.sub(b"", piece, count=1)) is None):
                 continue  # a bare carriage return: every piece forwarded already ends the line it wrote
             if not piece.endswith((b"\n", b"\r")):
                 piece += b"\n"

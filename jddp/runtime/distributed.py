@@ -39,6 +39,7 @@ import dataclasses
 import os
 import socket
 import sys
+import threading
 import time
 
 from jddp import net
@@ -354,6 +355,7 @@ def _from_mpi() -> tuple[str, int, int] | None:
             f"cannot be imported ({error}), so jddp cannot join the others. Install jddp's MPI extra "
             '(`pip install "jddp[mpi]"`), or start the processes with `jddp launch -n N`.'
         ) from None
+    _lines_to_mpiexec()
     comm = MPI.COMM_WORLD
     hosts = comm.allgather(socket.gethostname())
     address = None
@@ -362,6 +364,35 @@ def _from_mpi() -> tuple[str, int, int] | None:
         address = f"{host}:{net.free_port(host if host == '127.0.0.1' else '0.0.0.0')}"
     address = comm.bcast(address, root=0)
     return address, comm.Get_size(), comm.Get_rank()
+
+
+def _lines_to_mpiexec() -> None:
+    """Under mpiexec, which prefixes every write with the rank: Python writes whole lines (line-buffered streams),
+    and fd 1, where C++ writes gloo's chatter cut anywhere, becomes a pipe that a thread reads line by line, dropping
+    the chatter (``jddp.cli.output``); ``sys.stdout`` keeps the original fd 1."""
+    from jddp.cli import output  # no JAX
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.flush()
+            stream.reconfigure(line_buffering=True)  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        original = os.dup(1)
+        read, write = os.pipe()
+        os.dup2(write, 1)
+        os.close(write)
+    except OSError:
+        return
+    sys.stdout = os.fdopen(original, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", errors="replace")
+
+    def forward() -> None:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            for piece in output.segments(pipe):
+                if output.native_line(piece) is not None:
+                    with contextlib.suppress(OSError):
+                        os.write(original, piece)
+
+    threading.Thread(target=forward, name="jddp-native-stdout", daemon=True).start()
 
 
 def _prepare_backend(settings: _Settings) -> None:
