@@ -15,11 +15,11 @@ from jddp.benchmark import models
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, features: int = models.FEATURES, hidden: int = models.HIDDEN) -> None:
         super().__init__()
-        self.l0 = nn.Linear(models.FEATURES, models.HIDDEN)
-        self.l1 = nn.Linear(models.HIDDEN, models.HIDDEN)
-        self.l2 = nn.Linear(models.HIDDEN, models.CLASSES)
+        self.l0 = nn.Linear(features, hidden)
+        self.l1 = nn.Linear(hidden, hidden)
+        self.l2 = nn.Linear(hidden, models.CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
@@ -43,7 +43,10 @@ class CNN(nn.Module):
 
 def build(model: str, params: dict) -> nn.Module:
     """The PyTorch module of ``model`` holding ``params`` (from ``models.init_params``)."""
-    module = MLP() if model == "mlp" else CNN()
+    if model == models.WIDE:
+        module = MLP(models.WIDE_FEATURES, models.WIDE_HIDDEN)
+    else:
+        module = MLP() if model == "mlp" else CNN()
     with torch.no_grad():
         for name, leaf in params.items():
             layer = getattr(module, name)

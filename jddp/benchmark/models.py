@@ -15,6 +15,14 @@ MODELS = ("mlp", "cnn")
 FEATURES, CLASSES = 40, 10
 HIDDEN = 256
 CHANNELS, KERNEL = 32, 5
+# benchmarks/peers only: an MNIST-sized MLP, 784-1024-1024-10 (1.86 M parameters, 7.5 MB of float32 gradients).
+WIDE = "mlp784"
+WIDE_FEATURES, WIDE_HIDDEN = 784, 1024
+
+
+def features(model: str) -> int:
+    """The input width of ``model``."""
+    return WIDE_FEATURES if model == WIDE else FEATURES
 
 
 def init_params(model: str, seed: int = 0) -> dict:
@@ -23,7 +31,7 @@ def init_params(model: str, seed: int = 0) -> dict:
     ``mlp``: dense 40-256-256-10 with ReLU. ``cnn``: three 1-D convolutions
     (32 channels, kernel 5, same padding, ReLU; weights ``(out, in, kernel)``
     as in PyTorch) over the 40 features, then dense 1280-10. Dense weights are
-    ``(in, out)``.
+    ``(in, out)``. ``mlp784`` (benchmarks/peers): dense 784-1024-1024-10 with ReLU.
     """
     import numpy as np
 
@@ -38,15 +46,18 @@ def init_params(model: str, seed: int = 0) -> dict:
 
     if model == "mlp":
         return {"l0": dense(FEATURES, HIDDEN), "l1": dense(HIDDEN, HIDDEN), "l2": dense(HIDDEN, CLASSES)}
+    if model == WIDE:
+        w, h = WIDE_FEATURES, WIDE_HIDDEN
+        return {"l0": dense(w, h), "l1": dense(h, h), "l2": dense(h, CLASSES)}
     return {"c0": conv(1), "c1": conv(CHANNELS), "c2": conv(CHANNELS), "out": dense(CHANNELS * FEATURES, CLASSES)}
 
 
 def forward(model: str, params: dict, x):
-    """Logits ``(batch, 10)`` of ``x`` ``(batch, 40)`` in JAX."""
+    """Logits ``(batch, 10)`` of ``x`` ``(batch, features(model))`` in JAX."""
     import jax
     from jax import lax
 
-    if model == "mlp":
+    if model in ("mlp", WIDE):
         for i in range(3):
             x = x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"][None, :]
             x = jax.nn.relu(x) if i < 2 else x
@@ -66,13 +77,13 @@ def mean_loss(model: str, params: dict, batch: dict):
     return optax.softmax_cross_entropy_with_integer_labels(forward(model, params, batch["x"]), batch["y"]).mean()
 
 
-def synthetic_batches(steps: int, global_batch: int, seed: int = 1) -> list[dict]:
-    """``steps`` global batches of MNIST-1D shape: ``x`` float32 ``(global_batch, 40)``, ``y`` int32 labels."""
+def synthetic_batches(steps: int, global_batch: int, seed: int = 1, width: int = FEATURES) -> list[dict]:
+    """``steps`` global batches of MNIST-1D shape: ``x`` float32 ``(global_batch, width)``, ``y`` int32 labels."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     return [
-        {"x": rng.normal(size=(global_batch, FEATURES)).astype(np.float32),
+        {"x": rng.normal(size=(global_batch, width)).astype(np.float32),
          "y": rng.integers(0, CLASSES, global_batch).astype(np.int32)}
         for _ in range(steps)
     ]  # fmt: skip
