@@ -10,7 +10,10 @@ interleaved, round by round in alternating order:
 * ``tcp``: both processes send the message to each other over one loopback
   TCP connection at the same time (what a 2-rank ring all-reduce moves:
   half in the reduce-scatter, half in the all-gather, both ways at once);
-* ``memcpy``: ``np.copyto`` of the message in one process.
+* ``memcpy``: ``np.copyto`` of the message in one process;
+* ``mpi`` (with ``--transport mpi``; the group then runs under ``jddp launch
+  --transport mpi``, the ``jddp[mpi]`` extra): jddp's MPI path, the same
+  ``shard_map`` with ``jddp.engine.mpi.mpi_psum`` (``MPI_Allreduce``).
 
 Bus bandwidth is size / time x 2(n-1)/n (NCCL's busbw), which for n = 2 is
 size / time, so all four columns compare directly: ``tcp`` and ``memcpy`` are
@@ -48,6 +51,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (default 5)")
     p.add_argument("--bytes-per-round", type=int, default=128 << 20, help="traffic per variant and round (128 MiB)")
     p.add_argument("--malloc", choices=("both", "tuned", "default"), default="both", help="glibc settings to run")
+    p.add_argument("--transport", choices=("xla", "mpi"), default="xla", help="mpi: add the mpi column (jddp[mpi])")
     p.add_argument("--json", default=None, help="also write the figures here")
     return p
 
@@ -55,7 +59,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 def _run_group(args: argparse.Namespace, tuned: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
-        cmd = [sys.executable, "-m", "jddp.launch", "--peer-timeout", "120", "-n", "2", "--devices-per-process", "1"]
+        cmd = [sys.executable, "-m", "jddp.launch", "--peer-timeout", "120", "-n", "2"]
+        cmd += ["--transport", "mpi"] if args.transport == "mpi" else ["--devices-per-process", "1"]
         cmd += [] if tuned else ["--no-malloc-tuning"]
         cmd += ["-m", "benchmarks.allreduce", "--worker", out, str(net.free_port()), str(net.free_port())]
         cmd += [args.sizes, str(args.rounds), str(args.bytes_per_round)]
@@ -79,11 +84,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"all-reduce bus bandwidth between 2 processes (GB/s = 1e9 B/s), median of {args.rounds} rounds")
     for name, rows in results.items():
         print(f"glibc malloc: {name}{' (jddp launch)' if name == 'tuned' else ' (--no-malloc-tuning)'}")
-        print(f"{'size':>8}" + "".join(f"{v:>9}" for v in VARIANTS) + f"{'jax/torch':>11}{'jax us':>9}{'torch us':>9}")
+        variants = [v for v in (*VARIANTS, "mpi") if v in rows[0]]
+        mpi = "mpi" in variants
+        print(f"{'size':>8}" + "".join(f"{v:>9}" for v in variants) + f"{'jax/torch':>11}"
+              + (f"{'mpi/torch':>11}" if mpi else "") + f"{'jax us':>9}{'torch us':>9}")  # fmt: skip
         for r in rows:
-            bw = "".join(f"{r[v]['gbps']:>9.2f}" for v in VARIANTS)
+            bw = "".join(f"{r[v]['gbps']:>9.2f}" for v in variants)
             ratio = r["jax"]["gbps"] / r["torch"]["gbps"]
-            print(f"{_size(r['bytes']):>8}{bw}{ratio:>11.2f}{r['jax']['us']:>9.0f}{r['torch']['us']:>9.0f}")
+            mpi_ratio = f"{r['mpi']['gbps'] / r['torch']['gbps']:>11.2f}" if mpi else ""
+            print(f"{_size(r['bytes']):>8}{bw}{ratio:>11.2f}{mpi_ratio}{r['jax']['us']:>9.0f}{r['torch']['us']:>9.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -132,7 +141,7 @@ class _Duplex:
         self.done.get()
 
 
-def _calls(size: int, rank: int, psum, mesh, duplex: _Duplex) -> tuple[dict, object]:
+def _calls(size: int, rank: int, psum, mesh, duplex: _Duplex, mpi_sum) -> tuple[dict, object]:
     """One call of each variant on a message of ``size`` bytes, and jax's input (rank 0 holds 1s, rank 1 2s)."""
     import jax
     import numpy as np
@@ -152,6 +161,8 @@ def _calls(size: int, rank: int, psum, mesh, duplex: _Duplex) -> tuple[dict, obj
         "tcp": lambda: duplex.exchange(send, recv),
         "memcpy": lambda: np.copyto(dst, src),
     }
+    if mpi_sum is not None:
+        calls["mpi"] = lambda: mpi_sum(x).block_until_ready()
     return calls, x
 
 
@@ -173,16 +184,25 @@ def _worker(out: str, torch_port: str, tcp_port: str, sizes: str, rounds: str, b
     duplex = _Duplex(conn)
     mesh = jddp.data_mesh()
     psum = jax.jit(jax.shard_map(lambda x: lax.psum(x, jddp.DATA_AXIS), mesh=mesh, in_specs=P("data"), out_specs=P()))
+    mpi_sum = None
+    if os.environ.get("JDDP_TRANSPORT") == "mpi":  # jddp launch --transport mpi
+        from jddp.engine import mpi
+
+        mpi.check(mesh.size)
+        body = lambda x: mpi.mpi_psum(x, jddp.DATA_AXIS)
+        mpi_sum = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+    variants = (*VARIANTS, "mpi") if mpi_sum is not None else VARIANTS
     rows = []
     for size in (int(s) for s in sizes.split(",")):
         iters = max(3, min(200, int(bytes_per_round) // size))
-        calls, x = _calls(size, rank, psum, mesh, duplex)
-        result = psum(x)  # compile; check the sum
-        if not np.all(np.asarray(result.addressable_data(0)) == 3.0):
-            raise AssertionError(f"psum of 1 and 2 gave {np.asarray(result.addressable_data(0))[:4]}")
-        times = {v: [] for v in VARIANTS}
+        calls, x = _calls(size, rank, psum, mesh, duplex, mpi_sum)
+        for sum_of in (psum, mpi_sum) if mpi_sum is not None else (psum,):
+            result = sum_of(x)  # compile; check the sum
+            if not np.all(np.asarray(result.addressable_data(0)) == 3.0):
+                raise AssertionError(f"the sum of 1 and 2 gave {np.asarray(result.addressable_data(0))[:4]}")
+        times = {v: [] for v in variants}
         for r in range(rounds := int(rounds)):
-            for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            for name in variants if r % 2 == 0 else variants[::-1]:
                 calls[name]()  # one untimed call: both processes enter the timed loop together
                 start = time.perf_counter()
                 for _ in range(iters):
