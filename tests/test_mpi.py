@@ -136,3 +136,19 @@ def test_launcher_refuses_mpi_with_several_nodes_or_devices():
     for extra in ({"nnodes": 2, "coordinator": "10.0.0.1:29500"}, {"devices_per_process": 2}, {"cpu_share": True}):
         with pytest.raises(ValueError, match=r"--transport mpi runs one device per process on this node"):
             launch_lib.LaunchConfig(target="train", module=True, transport="mpi", **extra)
+
+
+@needs_mpi
+def test_mpi_psum_of_packed_and_large_leaves_of_several_dtypes_equals_numpy():
+    done = multiprocess.launch("--transport", "mpi", "-n", "2", str(multiprocess.WORKERS / "mpi_sum.py"), timeout=300)
+    shown = done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0, shown
+    assert sorted(line for line in done.stdout.splitlines() if "SUMS OK" in line) == ["[0] SUMS OK 0", "[1] SUMS OK 1"]
+
+
+def test_mpi_psum_refuses_a_dtype_mpi_cannot_sum_naming_it():
+    import jax.numpy as jnp
+
+    with pytest.raises(TypeError, match=r"cannot sum a value of dtype bool \(shape \(3,\)\).*Cast the value"):
+        mpi._wire(jnp.zeros(3, bool), np.dtype(bool))
+    assert mpi._wire(jnp.ones(2, jnp.bfloat16), np.dtype(jnp.bfloat16)).dtype == jnp.float32
