@@ -27,4 +27,13 @@ done
 python -m benchmarks.peers --processes 1,2 --models mlp,cnn --json "$out/peers.json" "${peers[@]}" | tee "$out/peers.txt"
 python -m benchmarks.allreduce --json "$out/allreduce.json" "${allreduce[@]}" | tee "$out/allreduce.txt"
 python -m benchmarks.step_overhead --devices 8 "${overhead[@]}" | tee "$out/step_overhead.txt"
+python -m benchmarks.first_step $([[ "${2:-}" == "--quick" ]] && echo --repeats 1) | tee "$out/first_step.txt"
+if python -c "import mpi4jax" 2>/dev/null; then  # the jddp[mpi] extra: the MPI transport's columns
+  python -m benchmarks.peers --processes 2 --models mlp,mlp784 --transport mpi --json "$out/peers_mpi.json" \
+    "${peers[@]}" | tee "$out/peers_mpi.txt"
+  python -m benchmarks.allreduce --transport mpi --malloc tuned --json "$out/allreduce_mpi.json" "${allreduce[@]}" \
+    | tee "$out/allreduce_mpi.txt"
+else
+  echo "mpi4jax is missing: the MPI transport's benchmarks are skipped (docs/guides/launch.md, MPI transport)"
+fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
