@@ -73,13 +73,26 @@ def reference(params, batches, optimizer):
     return params, losses
 
 
-@pytest.mark.parametrize("accumulate_steps", [1, 3])
-def test_float64_params_train_in_float64_like_one_device(accumulate_steps):
+@pytest.mark.parametrize(
+    ("accumulate_steps", "shard_optimizer"), [(1, False), (3, False), (1, True), (2, True)], ids=str
+)
+def test_float64_params_train_in_float64_like_one_device(accumulate_steps, shard_optimizer):
+    """ZeRO-1 too: on 3 devices ``b1`` (16) and ``w2`` (16 x 4) are zero-padded to 18 rows before they are split, and
+    the momentum's slices, the reduce-scatter and the all-gather all stay float64."""
     optimizer = optax.sgd(0.5, momentum=0.9)
+    devices = jax.devices()[:3] if shard_optimizer else jax.devices()[:4]
     dp = jddp.DataParallel(
-        loss_fn, optimizer, mesh=jddp.data_mesh(jax.devices()[:4]), accumulate_steps=accumulate_steps
+        loss_fn,
+        optimizer,
+        mesh=jddp.data_mesh(devices),
+        accumulate_steps=accumulate_steps,
+        shard_optimizer=shard_optimizer,
     )
     state = dp.init(init(np.float64), rng=0)
+    if shard_optimizer:
+        assert all(x.dtype == np.float64 for x in jax.tree.leaves(state.opt_state))
+        layouts = [lay for lay in state.opt_layout if lay is not None and lay.axis is not None]
+        assert any(lay.stored != lay.shape[lay.axis] for lay in layouts), layouts  # padding under x64 as well
     batches = [batch(i) for i in range(5)]
     losses, mean_x = [], []
     for b in batches:

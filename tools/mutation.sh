@@ -13,6 +13,7 @@
 #                                                  DataLoader.__iter__, _next_local, local_batches,
 #                                                  set_epoch, set_state
 #   jddp/checkpoint/digest.py, jddp/runtime/checksum.py, jddp/config.py   every function
+#   jddp/cli/reports.py                            every function (the launchers' reports)
 # Only with +step: jddp/engine/step.py, varying.split_varying and DataParallel.step (about 400
 # mutants whose every survivor runs about 90 s of engine tests: an hour more). Only with +restore:
 # Checkpointer.restore_or_init and jddp/checkpoint/restore.py (about 280
@@ -59,7 +60,7 @@ DEFAULT=(
   'jddp.data.loader.xǁDataLoaderǁ__iter____mutmut_*' 'jddp.data.loader.xǁDataLoaderǁ_next_local__mutmut_*'
   'jddp.data.loader.xǁDataLoaderǁlocal_batches__mutmut_*' 'jddp.data.loader.xǁDataLoaderǁset_epoch__mutmut_*'
   'jddp.data.loader.xǁDataLoaderǁset_state__mutmut_*'
-  'jddp.checkpoint.digest.*' 'jddp.runtime.checksum.*' 'jddp.config.*'
+  'jddp.checkpoint.digest.*' 'jddp.runtime.checksum.*' 'jddp.config.*' 'jddp.cli.reports.*'
 )
 STEP=('jddp.engine.step.*' 'jddp.engine.varying.x_split_varying__mutmut_*'
   'jddp.engine.parallel.xǁDataParallelǁstep__mutmut_*')

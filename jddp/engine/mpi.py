@@ -147,52 +147,24 @@ def _wire(x, dtype: np.dtype):
     )
 
 
-# -- the primitive (private JAX and mpi4jax API, pinned by the extra's version range) -----------------------------
+# -- the primitive (mpi4jax's private helpers, pinned by the extra's version range; JAX's in jax_internals) -------
 
 
 def _make_primitive():
-    from jax._src import core
-    from jax._src.interpreters import mlir
-
-    p = core.Primitive("jddp_mpi_allreduce")
-    p.multiple_results = True
-
-    def abstract_eval(*avals, comm, axis_name):
-        del comm
-        out = []
-        for aval in avals:
-            varying = frozenset(a for a in aval.mat.varying if a != axis_name)
-            out.append(aval.update(manual_axis_type=aval.mat.update(varying=varying)))
-        return out, {core.NamedAxisEffect(axis_name)}
-
-    p.def_effectful_abstract_eval(abstract_eval)
-
-    def lowering(ctx, *args, comm, axis_name):
-        del axis_name
-        from jax._src.lib.mlir.dialects import hlo
+    def attributes(aval, *, comm) -> dict:
         from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle, unpack_hashable
         from mpi4py import MPI
 
-        call = jax.ffi.ffi_lowering("mpi_allreduce_ffi", has_side_effect=True)
-        handle = np.int64(to_mpi_handle(unpack_hashable(comm)))
-        token = hlo.create_token()
-        results = []
-        for x, aval_in, aval_out in zip(args, ctx.avals_in, ctx.avals_out, strict=True):
-            one = ctx.replace(avals_in=(aval_in, core.abstract_token), avals_out=(aval_out, core.abstract_token))
-            result, token = call(
-                one,
-                x,
-                token,
-                nitems=np.int64(np.prod(aval_in.shape, dtype=np.int64)),
-                op=np.int64(to_mpi_handle(MPI.SUM)),
-                comm=handle,
-                dtype=np.int64(to_dtype_handle(aval_in.dtype)),
-            )
-            results.append(result)
-        return results
+        return {
+            "nitems": np.int64(np.prod(aval.shape, dtype=np.int64)),
+            "op": np.int64(to_mpi_handle(MPI.SUM)),
+            "comm": np.int64(to_mpi_handle(unpack_hashable(comm))),
+            "dtype": np.int64(to_dtype_handle(aval.dtype)),
+        }
 
-    mlir.register_lowering(p, lowering, platform="cpu")
-    return p
+    from jddp.runtime import jax_internals
+
+    return jax_internals.ffi_sum_primitive("jddp_mpi_allreduce", "mpi_allreduce_ffi", attributes)
 
 
 class _Lazy:

@@ -370,7 +370,7 @@ def _lines_to_mpiexec() -> None:
     """Under mpiexec, which prefixes every write with the rank: Python writes whole lines (line-buffered streams),
     and fd 1, where C++ writes gloo's chatter cut anywhere, becomes a pipe that a thread reads line by line, dropping
     the chatter (``jddp.cli.output``); ``sys.stdout`` keeps the original fd 1."""
-    from jddp.cli import output  # no JAX
+    from jddp import lines  # no JAX
 
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
@@ -387,8 +387,8 @@ def _lines_to_mpiexec() -> None:
 
     def forward() -> None:
         with os.fdopen(read, "rb", buffering=0) as pipe:
-            for piece in output.segments(pipe):
-                if output.native_line(piece) is not None:
+            for piece in lines.segments(pipe):
+                if lines.native_line(piece) is not None:
                     with contextlib.suppress(OSError):
                         os.write(original, piece)
 

@@ -226,3 +226,48 @@ def cache_writes_from_every_process() -> bool:
     _cache_write._jddp = True  # type: ignore[attr-defined]
     compiler._cache_write = _cache_write
     return True
+
+
+def ffi_sum_primitive(name: str, target: str, attributes):
+    """A primitive that sums each of its operands over a mesh axis through the FFI custom call ``target`` (an
+    external library's collective, such as MPI's allreduce of mpi4jax), for use inside ``shard_map``.
+
+    ``bind(*operands, axis_name=..., **params)``: one call of ``target`` per operand, with side effects, each
+    taking and returning a token chained from the previous call (made in the lowering), with the attributes
+    ``attributes(aval, **params)``. Its abstract evaluation is ``lax.psum``'s: the results are invariant over
+    ``axis_name``. Public JAX offers only ordered effects for such calls (mpi4jax's own primitives), which JAX
+    0.10 refuses in any program of more than one device, as a multi-process step is; the token chain keeps
+    the calls in one order on every process instead.
+    """
+    from jax._src import core
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir.dialects import hlo
+
+    p = core.Primitive(name)
+    p.multiple_results = True
+
+    def abstract_eval(*avals, axis_name, **params):
+        del params
+        out = []
+        for aval in avals:
+            varying = frozenset(a for a in aval.mat.varying if a != axis_name)
+            out.append(aval.update(manual_axis_type=aval.mat.update(varying=varying)))
+        return out, {core.NamedAxisEffect(axis_name)}
+
+    p.def_effectful_abstract_eval(abstract_eval)
+
+    def lowering(ctx, *args, axis_name, **params):
+        del axis_name
+        import jax
+
+        call = jax.ffi.ffi_lowering(target, has_side_effect=True)
+        token = hlo.create_token()
+        results = []
+        for x, aval_in, aval_out in zip(args, ctx.avals_in, ctx.avals_out, strict=True):
+            one = ctx.replace(avals_in=(aval_in, core.abstract_token), avals_out=(aval_out, core.abstract_token))
+            result, token = call(one, x, token, **attributes(aval_in, **params))
+            results.append(result)
+        return results
+
+    mlir.register_lowering(p, lowering, platform="cpu")
+    return p
