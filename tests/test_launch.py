@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -585,3 +586,36 @@ def test_under_two_launchers_a_failure_on_node_1_restarts_node_0_at_once():
     assert sorted(lines_with(stdout, "DONE")) == ["[0] DONE 0 attempt 1", "[1] DONE 1 attempt 1"], shown
     killed = float(lines_with(stdout, "KILLING")[0].split()[-1])
     assert max(ends) - killed < peer_timeout, shown  # process 0 was not left to find its peer lost by itself
+
+
+def test_a_jobwide_sigterm_without_a_launcher_saves_at_the_same_step_the_service_outlives_it():
+    """SLURM's ``scancel`` (and mpiexec, and a terminal's Ctrl-C) signals every process of the job: without a
+    launcher that includes the coordination service process 0 started as its child. The service ignores it
+    (process 0 stops it with SIGUSR1), so both processes agree on a step and exit 75, and no service is left."""
+    procs = multiprocess.spawn_slurm(GROUP, 2, 1, "preempt")
+    try:
+        ready = 0
+        assert procs[0].stdout is not None
+        for line in procs[0].stdout:
+            ready += "READY" in line
+            if ready:
+                break
+        time.sleep(0.5)
+        service = [int(p) for p in Path(f"/proc/{procs[0].pid}/task/{procs[0].pid}/children").read_text().split()]
+        assert service, "process 0 started no coordination service"
+        for pid in [p.pid for p in procs] + service:
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        codes, outputs = multiprocess.collect(procs, timeout=120)
+    assert codes == [exitcodes.EXIT_PREEMPTED] * 2, multiprocess.show(codes, outputs)
+    stops = sorted(line for out in outputs for line in out.splitlines() if "PREEMPTED" in line)
+    assert len(stops) == 2 and stops[0].split(" at step ")[1] == stops[1].split(" at step ")[1], stops
+    time.sleep(1)
+    assert not [p for p in service if Path(f"/proc/{p}").exists() and "Z" not in _state(p)], "the service outlived"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"

@@ -22,10 +22,14 @@ get the same: process 0's ``jddp.initialize`` starts this module as a child
 (``start_for_parent``) with ``--parent PID --grace S``. The child ends when
 process 0 stops it at its normal exit (after JAX's shutdown barrier), or, when
 process 0 died instead, ``S`` seconds after (time for the survivors to name it
-and exit 69).
+and exit 69). That child ignores SIGTERM, SIGINT and SIGHUP, and process 0 stops
+it with SIGUSR1: a scheduler's SIGTERM reaches every process of the job
+(``scancel``, ``mpiexec``, a terminal's Ctrl-C to the process group), and the
+service must outlive it while the processes agree on and write their
+preemption checkpoint.
 
-The service runs until SIGTERM or SIGINT. It prints one line when it listens,
-which the launcher (or process 0) waits for before going on.
+Under the launcher, the service runs until SIGTERM or SIGINT. It prints one line
+when it listens, which the launcher (or process 0) waits for before going on.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ USAGE = (
     "usage: python -m jddp.runtime.coordinator HOST:PORT NUM_PROCESSES HEARTBEAT_S SHUTDOWN_S [--parent PID --grace S]"
 )
 START_TIMEOUT_S = 60.0
+STOP_SIGNAL = signal.SIGUSR1  # what ends the service that process 0 started (``start_for_parent``)
 
 
 def main(argv: list[str]) -> int:
@@ -53,7 +58,12 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     address, num_processes, heartbeat_s, shutdown_s = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # taken by sigwait below
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    if parent is not None:  # the job's SIGTERM is for the processes, which need the service to save and stop
+        for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(ignored, signal.SIG_IGN)
+        stop_signals = {STOP_SIGNAL}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # taken by sigwait below
     from jddp.runtime import jax_internals
 
     service = jax_internals.start_coordination_service(address, num_processes, heartbeat_s, shutdown_s)
@@ -61,7 +71,7 @@ def main(argv: list[str]) -> int:
     if parent is not None and grace is not None:
         _quiet()  # process 0's output is not the place for the service's logs about lost clients
         threading.Thread(target=_outlive, args=(parent, grace), daemon=True).start()
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    signal.sigwait(stop_signals)
     service.shutdown()
     return 0
 
@@ -78,7 +88,7 @@ def _outlive(parent: int, grace_s: float) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     time.sleep(grace_s)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), STOP_SIGNAL)
 
 
 def start_for_parent(
@@ -128,7 +138,7 @@ def stop(child: subprocess.Popen[bytes]) -> None:
     except Exception:  # a peer that never came: the service is not needed any more either way
         pass
     if child.poll() is None:
-        child.terminate()
+        child.send_signal(STOP_SIGNAL)
         try:
             child.wait(timeout=5)
         except subprocess.TimeoutExpired:
