@@ -65,3 +65,84 @@ def test_the_coordinator_port_leaves_room_for_the_report_port():
     with pytest.raises(ValueError, match=r"--coordinator 10\.0\.0\.1:65535: .*port \+ 1"):
         launch_lib.LaunchConfig(target="train", module=True, nnodes=2, coordinator="10.0.0.1:65535")
     launch_lib.LaunchConfig(target="train", module=True, coordinator="10.0.0.1:65535")  # one node: no report port
+
+
+def wait_for(server: reports.ReportServer, attempt: int, count: int, within_s: float) -> list[reports.Report]:
+    deadline = time.monotonic() + within_s
+    while len(server.reports(attempt)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return server.reports(attempt)
+
+
+def report_line(node: int, attempt: int, size: int | None = None) -> bytes:
+    """A report of ``node`` for ``attempt`` as one line, padded to ``size`` bytes (newline included) if given."""
+    line = json.dumps({"node": node, "attempt": attempt, "code": 69, "what": ""}).encode() + b"\n"
+    if size is not None:
+        pad = size - len(line)
+        line = json.dumps({"node": node, "attempt": attempt, "code": 69, "what": "x" * pad}).encode() + b"\n"
+        assert len(line) == size
+    return line
+
+
+def test_a_report_is_read_to_its_end_however_the_client_sends_it(monkeypatch):
+    """Whether the sender closes without a newline, keeps the connection open after its line, or stalls in the
+    middle of it: the report is read as soon as it is whole (at the newline, at the close, or at the read
+    timeout), and a report over ``MAX_REPORT_BYTES`` is ignored even when it is valid JSON."""
+    monkeypatch.setattr(reports, "READ_TIMEOUT_S", 30.0)
+    port = net.free_port()
+    server = reports.ReportServer("127.0.0.1", port, nnodes=8)
+    to = ("127.0.0.1", port)
+    held = []
+    try:
+        with socket.create_connection(to) as s:  # no newline, then closed
+            s.sendall(report_line(1, 0).rstrip(b"\n"))
+        assert [r.node for r in wait_for(server, 0, 1, 10)] == [1]
+        s = socket.create_connection(to)  # a whole line, the connection kept open: read at the newline
+        held.append(s)
+        s.sendall(report_line(2, 0))
+        assert [r.node for r in wait_for(server, 0, 2, 5)] == [1, 2]
+        with socket.create_connection(to) as s:  # exactly the limit: accepted
+            s.sendall(report_line(3, 0, size=reports.MAX_REPORT_BYTES))
+        with socket.create_connection(to) as s:  # valid, but over the limit: ignored
+            s.sendall(report_line(4, 0, size=reports.MAX_REPORT_BYTES + 10))
+        assert [r.node for r in wait_for(server, 0, 3, 10)] == [1, 2, 3]
+        time.sleep(0.3)
+        assert [r.node for r in server.reports(0)] == [1, 2, 3]
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+    server._thread.join(timeout=5)  # closing ends the thread that accepts
+    assert not server._thread.is_alive()
+
+
+def test_a_report_stalled_without_its_newline_is_read_at_the_read_timeout(monkeypatch):
+    monkeypatch.setattr(reports, "READ_TIMEOUT_S", 0.3)
+    port = net.free_port()
+    server = reports.ReportServer("127.0.0.1", port, nnodes=2)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(report_line(1, 0).rstrip(b"\n"))  # and nothing more, the connection open
+            assert [r.node for r in wait_for(server, 0, 1, 10)] == [1]
+    finally:
+        server.close()
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_reports_travel_over_ipv6_loopback():
+    port = net.free_port("::1")
+    server = reports.ReportServer(*reports.address(net.split_address(f"[::1]:{port - 1}")), nnodes=2)
+    try:
+        assert reports.send(("::1", port), reports.Report(1, 0, 3, "process 1 exited with code 3"))
+        assert [(r.node, r.code) for r in wait_for(server, 0, 1, 10)] == [(1, 3)]
+    finally:
+        server.close()
