@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,13 @@ def launch(*argv: str, timeout: float = 180, env: dict[str, str] | None = None) 
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine can listen on ``::1``."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

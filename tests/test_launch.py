@@ -21,6 +21,7 @@ import jddp
 from jddp import exitcodes, net
 from jddp.cli import launch as launch_lib
 from jddp.cli import output
+from jddp.engine import mpi
 from tests import models, multiprocess
 
 pytestmark = pytest.mark.multiprocess
@@ -173,9 +174,15 @@ def test_sigkilled_worker_without_restarts_fails_with_a_summary():
     assert not lines_with(done.stdout, "DONE")
 
 
-def test_sigterm_is_forwarded_and_every_process_stops_at_the_same_step():
+@pytest.mark.parametrize("transport", ["xla", "mpi"])
+def test_sigterm_is_forwarded_and_every_process_stops_at_the_same_step(transport):
+    """Under ``--transport mpi`` the signal reaches mpiexec's whole process group, the coordination service that
+    process 0 started included: it outlives the signal (it stops on SIGUSR1), so the processes still agree."""
+    if transport == "mpi" and mpi.unavailable() is not None:
+        pytest.skip(f"no MPI transport here: {mpi.unavailable()}")
+    argv = ["--transport", transport, "-n", "2", "--term-timeout", "60", GROUP, "preempt"]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jddp.launch", "-n", "2", "--term-timeout", "60", GROUP, "preempt"],
+        [sys.executable, "-m", "jddp.launch", *argv],
         env=multiprocess.environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -503,16 +510,7 @@ def test_exit_code_descriptions():
     assert not exitcodes.is_peer_failure(1)
 
 
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not multiprocess.ipv6_loopback(), reason="no IPv6 loopback")
 def test_an_ipv6_coordinator_works():
     port = net.free_port()
     done = multiprocess.launch("-n", "2", "--coordinator", f"[::1]:{port}", GROUP, "hello")

@@ -5,8 +5,6 @@ failures named within the bound, and every misuse refused. Skipped where the ``j
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 import sys
 import time
 
@@ -154,40 +152,3 @@ def test_mpi_psum_refuses_a_dtype_mpi_cannot_sum_naming_it():
     with pytest.raises(TypeError, match=r"cannot sum a value of dtype bool \(shape \(3,\)\).*Cast the value"):
         mpi._wire(jnp.zeros(3, bool), np.dtype(bool))
     assert mpi._wire(jnp.ones(2, jnp.bfloat16), np.dtype(jnp.bfloat16)).dtype == jnp.float32
-
-
-@needs_mpi
-def test_mpi_transport_a_sigterm_to_the_launcher_stops_every_process_at_the_same_step():
-    """The launcher forwards SIGTERM to mpiexec's process group, the coordination service process 0 started
-    included: the service outlives it (it stops on SIGUSR1), so the processes agree on a step and exit 75."""
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jddp.launch",
-            "--transport",
-            "mpi",
-            "-n",
-            "2",
-            "--term-timeout",
-            "60",
-            GROUP,
-            "preempt",
-        ],
-        env=multiprocess.environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=multiprocess.ROOT,
-    )
-    assert launcher.stdout is not None
-    ready = 0
-    for line in launcher.stdout:
-        ready += "READY" in line
-        if ready == 2:
-            break
-    launcher.send_signal(signal.SIGTERM)
-    out, err = launcher.communicate(timeout=120)
-    assert launcher.returncode == 75, out[-2000:] + err[-3000:]
-    stops = sorted(line for line in out.splitlines() if "PREEMPTED" in line)
-    assert len(stops) == 2 and stops[0].split(" at step ")[1] == stops[1].split(" at step ")[1], out

@@ -12,6 +12,7 @@ import pytest
 from jddp import net
 from jddp.cli import launch as launch_lib
 from jddp.cli import reports
+from tests import multiprocess
 
 
 def test_reports_between_launchers_are_parsed_strictly():
@@ -128,16 +129,7 @@ def test_a_report_stalled_without_its_newline_is_read_at_the_read_timeout(monkey
         server.close()
 
 
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not multiprocess.ipv6_loopback(), reason="no IPv6 loopback here")
 def test_reports_travel_over_ipv6_loopback():
     port = net.free_port("::1")
     server = reports.ReportServer(*reports.address(net.split_address(f"[::1]:{port - 1}")), nnodes=2)

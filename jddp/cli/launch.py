@@ -541,52 +541,47 @@ class _Launcher:
         except FileNotFoundError as error:
             self.output.say(str(error))
             return 1
-        previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
-        try:
-            for attempt in range(c.max_restarts + 1):
-                # Not `python -u`: unbuffered, print() writes a line and its end apart, and mpiexec prefixes
-                # each write with the rank; jddp.initialize() makes the streams line-buffered instead.
-                argv = [mpiexec, "-n", str(c.nprocs), "-prepend-rank", *(a for a in command(c) if a != "-u")]
-                popen = subprocess.Popen(
-                    argv,
-                    env=mpi_environment(c, attempt),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
+        for attempt in range(c.max_restarts + 1):
+            # Not `python -u`: unbuffered, print() writes a line and its end apart, and mpiexec prefixes
+            # each write with the rank; jddp.initialize() makes the streams line-buffered instead.
+            argv = [mpiexec, "-n", str(c.nprocs), "-prepend-rank", *(a for a in command(c) if a != "-u")]
+            popen = subprocess.Popen(
+                argv,
+                env=mpi_environment(c, attempt),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            worker = _Worker(0, popen)
+            self.workers = [worker]
+            for pipe, target, native in ((popen.stdout, sys.stdout, True), (popen.stderr, sys.stderr, False)):
+                reader = threading.Thread(
+                    target=self.output.pump, args=(pipe, target, b""), kwargs={"native": native}, daemon=True
                 )
-                worker = _Worker(0, popen)
-                self.workers = [worker]
-                for pipe, target, native in ((popen.stdout, sys.stdout, True), (popen.stderr, sys.stderr, False)):
-                    reader = threading.Thread(
-                        target=self.output.pump, args=(pipe, target, b""), kwargs={"native": native}, daemon=True
-                    )
-                    reader.start()
-                    worker.readers.append(reader)
-                self.output.say(
-                    f"started {c.nprocs} processes under {mpiexec} (attempt {attempt + 1} of {c.max_restarts + 1}, "
-                    f"transport mpi): {' '.join(argv[4:])}"
-                )
-                while popen.poll() is None and self.signal_received is None:
-                    time.sleep(c.monitor_interval)
-                if self.signal_received is not None:
-                    self.stop_after_signal(self.signal_received)
-                    code = popen.returncode
-                    return exitcodes.EXIT_PREEMPTED if code == exitcodes.EXIT_PREEMPTED else 128 + self.signal_received
-                self.finish_output()
+                reader.start()
+                worker.readers.append(reader)
+            self.output.say(
+                f"started {c.nprocs} processes under {mpiexec} (attempt {attempt + 1} of {c.max_restarts + 1}, "
+                f"transport mpi): {' '.join(argv[4:])}"
+            )
+            while popen.poll() is None and self.signal_received is None:
+                time.sleep(c.monitor_interval)
+            if self.signal_received is not None:
+                self.stop_after_signal(self.signal_received)
                 code = popen.returncode
-                if code in (0, exitcodes.EXIT_PREEMPTED):
-                    return code
-                what = exitcodes.describe(code)
-                if attempt < c.max_restarts:
-                    restarts = f"{attempt + 1} of {c.max_restarts}"
-                    self.output.say(f"the group under mpiexec {what}; restarting it ({restarts})")
-                    continue
-                self.output.say(f"the group under mpiexec {what}; no restart left (--max-restarts {c.max_restarts})")
-                return 128 - code if code < 0 else code
-            raise AssertionError("unreachable: the last attempt returns")
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+                return exitcodes.EXIT_PREEMPTED if code == exitcodes.EXIT_PREEMPTED else 128 + self.signal_received
+            self.finish_output()
+            code = popen.returncode
+            if code in (0, exitcodes.EXIT_PREEMPTED):
+                return code
+            what = exitcodes.describe(code)
+            if attempt < c.max_restarts:
+                restarts = f"{attempt + 1} of {c.max_restarts}"
+                self.output.say(f"the group under mpiexec {what}; restarting it ({restarts})")
+                continue
+            self.output.say(f"the group under mpiexec {what}; no restart left (--max-restarts {c.max_restarts})")
+            return 128 - code if code < 0 else code
+        raise AssertionError("unreachable: the last attempt returns")
 
     # -- the run ------------------------------------------------------------
     def summary(self, first_failed: _Worker | None) -> str:
@@ -814,8 +809,6 @@ class _Launcher:
 
     def run(self) -> int:
         c = self.config
-        if c.transport == "mpi":
-            return self.run_mpi()
         if c.nnodes > 1 and c.node_rank == 0:
             assert c.coordinator is not None  # --nnodes > 1 requires it
             try:
@@ -825,6 +818,8 @@ class _Launcher:
                 return 1
         previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
         try:
+            if c.transport == "mpi":
+                return self.run_mpi()
             attempt = 0
             while True:
                 try:

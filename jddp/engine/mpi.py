@@ -1,7 +1,7 @@
 """The cross-process sum through MPI: ``DataParallel(transport="mpi")`` (the ``jddp[mpi]`` extra, on mpi4jax).
 
 XLA:CPU's gloo all-reduce is out of place, allocates per call and runs one
-ring per operand (JAX_NOTES). MPI's ``MPI_Allreduce`` (MPICH over shared memory
+ring per operand (docs/jax_notes.md). MPI's ``MPI_Allreduce`` (MPICH over shared memory
 or TCP) reduces the same bytes with less overhead. mpi4jax exposes it as an XLA
 FFI custom call (``mpi_allreduce_ffi``), but its JAX primitive carries an
 *ordered effect*, and JAX refuses ordered effects in a program of more than one
@@ -34,7 +34,6 @@ dead peer holds no GIL, so its watchdog still finds the peer silent and exits
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +113,7 @@ def mpi_psum(tree, axis_name: str, pack_below_bytes: int = PACK_BELOW_BYTES):
     leaves = fused._fenced(leaves, groups)
     flats = [jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]) for idx in groups.values()]
     operands = [*flats, *(leaves[i] for i in large)]
-    summed = _allreduce_p.bind(*operands, comm=_comm(), axis_name=axis_name) if operands else []
+    summed = _allreduce().bind(*operands, comm=_comm(), axis_name=axis_name) if operands else []
     out = list(leaves)
     for i, x in zip(large, summed[len(flats) :], strict=True):
         out[i] = x
@@ -167,15 +166,7 @@ def _make_primitive():
     return jax_internals.ffi_sum_primitive("jddp_mpi_allreduce", "mpi_allreduce_ffi", attributes)
 
 
-class _Lazy:
-    """The primitive, made at first use: importing jddp must not import mpi4jax."""
-
-    _p: Any = None
-
-    def bind(self, *args, **params):
-        if _Lazy._p is None:
-            _Lazy._p = _make_primitive()
-        return _Lazy._p.bind(*args, **params)
-
-
-_allreduce_p = _Lazy()
+@functools.cache
+def _allreduce():
+    """The primitive, made at its first use: importing jddp must not import mpi4jax."""
+    return _make_primitive()

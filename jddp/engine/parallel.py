@@ -160,7 +160,7 @@ class DataParallel:
                     "reduce-scatter, which only transport='xla' has. Drop one of the two."
                 )
             mpi.check(self.num_devices)
-            psum, fuse_allreduce = mpi.mpi_psum, True
+            psum = mpi.mpi_psum
         self.transport = transport
         self._rep = runtime.replicated(mesh)
         self._batch = runtime.batch_sharding(mesh)
