@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md hold: each module imports only its own layer and the ones below it.
+"""The layers of jddp's design (LAYERS below: each module imports only its own layer and the ones below it) hold.
 
 Read from the source (every ``import`` statement, also those inside functions), so a lazy import
 cannot hide an arrow that runs back up; and checked in fresh processes for the modules that must
