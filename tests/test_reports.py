@@ -3,6 +3,7 @@ address. The launchers exchanging them for real are in ``tests/test_launch.py`` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -125,6 +126,29 @@ def test_a_report_stalled_without_its_newline_is_read_at_the_read_timeout(monkey
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(report_line(1, 0).rstrip(b"\n"))  # and nothing more, the connection open
             assert [r.node for r in wait_for(server, 0, 1, 10)] == [1]
+    finally:
+        server.close()
+
+
+def test_the_report_that_arrived_first_is_kept_even_when_it_is_read_last():
+    """Each connection is read in a thread of its own, and the threads end in any order (under load, a later
+    connection's often first): which report of a node came first is the order the connections arrived in."""
+    port = net.free_port()
+    server = reports.ReportServer("127.0.0.1", port, nnodes=2)
+    to = ("127.0.0.1", port)
+    try:
+        first = reports.Report(1, 0, -9, "process 1 killed by SIGKILL")
+        line = json.dumps(dataclasses.asdict(first)).encode() + b"\n"
+        with socket.create_connection(to) as slow:
+            slow.sendall(line[:10])  # arrives first, but its line is not whole yet
+            time.sleep(0.2)
+            assert reports.send(to, reports.Report(1, 0, 69, "a later report of the same node"))
+            assert [r.code for r in wait_for(server, 0, 1, 10)] == [69]
+            slow.sendall(line[10:])
+            deadline = time.monotonic() + 10
+            while server.reports(0)[0].code != -9 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert server.reports(0) == [first]
     finally:
         server.close()
 

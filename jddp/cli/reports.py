@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import itertools
 import json
 import socket
 import threading
@@ -82,7 +83,7 @@ class ReportServer:
         """Raises:
         OSError: the address cannot be listened on (naming it and the fix)."""
         self.nnodes = nnodes
-        self._reports: list[Report] = []
+        self._reports: list[tuple[int, Report]] = []  # (order of arrival, report)
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
@@ -102,14 +103,16 @@ class ReportServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
+        # Connections are numbered as they are accepted (the kernel's accept queue keeps the order they arrived in);
+        # their reading threads can end in any order, and the number, not that order, says which report came first.
+        for arrival in itertools.count():
             try:
                 connection, _ = self._socket.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self._read, args=(connection,), daemon=True).start()
+            threading.Thread(target=self._read, args=(connection, arrival), daemon=True).start()
 
-    def _read(self, connection: socket.socket) -> None:
+    def _read(self, connection: socket.socket, arrival: int) -> None:
         with connection:
             connection.settimeout(READ_TIMEOUT_S)
             data = b""
@@ -122,13 +125,13 @@ class ReportServer:
         report = parse(data, self.nnodes) if len(data) <= MAX_REPORT_BYTES else None
         if report is not None:
             with self._lock:
-                self._reports.append(report)
+                self._reports.append((arrival, report))
 
     def reports(self, attempt: int) -> list[Report]:
         """The reports received so far about ``attempt``, one per node (the first it sent)."""
         with self._lock:
             seen: dict[int, Report] = {}
-            for r in self._reports:
+            for _, r in sorted(self._reports, key=lambda pair: pair[0]):
                 if r.attempt == attempt:
                     seen.setdefault(r.node, r)
             return sorted(seen.values(), key=lambda r: r.node)
