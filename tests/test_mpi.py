@@ -56,7 +56,7 @@ def test_mpi_transport_trains_to_the_parameters_of_the_gloo_transport(tmp_path):
 def test_mpi_transport_a_process_that_ends_early_ends_the_group_naming_it(how):
     """Process 1 returns early (its peer, blocked in MPI_Allreduce, is named by jddp's watchdog: exit 69) or is
     SIGKILLed (mpiexec ends the group at once, naming the pid and the signal): either way within the bound."""
-    peer_timeout = 10
+    peer_timeout = 5
     started = time.time()
     done = multiprocess.launch(
         "--transport", "mpi", "-n", "2", "--peer-timeout", str(peer_timeout), GROUP, "end", "1", how, timeout=300
