@@ -18,3 +18,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Worker scripts run in their own processes (tests/multiprocess.py), never in pytest's.
 collect_ignore_glob = ["tests/workers/*"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that start processes, or are marked slow, run first (the order is otherwise kept): with xdist's
+    work stealing (``--dist worksteal`` in pyproject.toml) the suite then ends on short tests, instead of one
+    worker idling while the other works through a queue of multi-process tests (160 s of 570 once)."""
+    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in ("multiprocess", "slow")))
