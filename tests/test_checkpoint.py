@@ -466,6 +466,51 @@ def test_checkpoint_of_another_model_names_the_leaf(tmp_path):
             ckpt.restore_or_init(state, loader)
 
 
+def with_optimizer(optimizer):
+    mesh = jddp.data_mesh(jax.devices()[:2])
+    params = {"w1": np.ones((16, 8), np.float32), "w2": np.ones((8, 4), np.float32)}
+    return jddp.DataParallel(loss_fn, optimizer, mesh=mesh).init(params)
+
+
+@pytest.mark.parametrize(
+    ("saved", "restored", "said"),
+    [
+        # The same arrays, another tree: only the empty nodes (optax's EmptyState) tell them apart.
+        (optax.adam(1e-3), optax.adamw(1e-3), r"the same arrays, but its tree differs .* empty node \['opt_state'\]"),
+        (optax.sgd(1e-2), optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2)), r"empty node"),
+        # Other arrays: named by path, not by position in the flattened state.
+        (optax.adam(1e-3), optax.sgd(1e-2, momentum=0.9), r"\['opt_state'\]\[0\]\.count is saved but not here"),
+        (optax.adam(1e-3), optax.chain(optax.add_noise(0.1, 0.5, 0), optax.adam(1e-3)), r"leaves"),
+    ],
+    ids=["adam-adamw", "sgd-clipped", "adam-momentum", "noise-added"],
+)
+def test_a_changed_optimizer_is_an_error_naming_it_and_the_checkpoint_is_kept(tmp_path, saved, restored, said):
+    """A checkpoint of another optimizer is the user's change, not damage: a ValueError that says so, and the step
+    stays where it is (before: Orbax's structure error was taken for damage, the step set aside, training
+    restarted from step 0)."""
+    with jddp.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(with_optimizer(saved))
+    before = sorted(os.listdir(tmp_path))
+    with jddp.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match=rf"holds another optimizer state: .*{said}.*The optimizer differs"):
+            ckpt.restore_or_init(with_optimizer(restored))
+    assert sorted(os.listdir(tmp_path)) == before and not any(".damaged" in f for f in before)
+
+
+def test_a_checkpoint_saved_without_its_empty_nodes_is_still_refused_not_set_aside(tmp_path):
+    """Checkpoints written before the structure was recorded: Orbax's own structure check is an error too."""
+    with jddp.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(with_optimizer(optax.adam(1e-3)))
+    path = tmp_path / "0" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["empty_nodes"]
+    path.write_text(json.dumps(meta))
+    with jddp.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match=r"Orbax finds the saved tree's structure different"):
+            ckpt.restore_or_init(with_optimizer(optax.adamw(1e-3)))
+    assert "0" in os.listdir(tmp_path) and not any(".damaged" in f for f in os.listdir(tmp_path))
+
+
 def test_config_change_is_an_error_unless_allowed(tmp_path):
     _, state, loader = make(2)
     with jddp.Checkpointer(tmp_path, config={"lr": 0.01, "batch": 16}) as ckpt:

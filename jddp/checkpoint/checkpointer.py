@@ -247,6 +247,7 @@ class Checkpointer:
             "config": self.config,
             "versions": {"jddp": __version__, "jax": jax.__version__, "orbax": _orbax_version()},
             "leaves": digest.describe_leaves(tree, layouts),  # logical shapes: a sharded state's padding varies
+            "empty_nodes": digest.empty_nodes(tree),  # the rest of the structure (an optimizer's EmptyStates)
             "padded": any(lay is not None and lay.padded for lay in layouts),
             "digests": concurrent.futures.Future(),  # set below; read by MetaHandler in the background
             "time": time.time(),
@@ -448,6 +449,12 @@ class Checkpointer:
             if preemption.all_agree(reason is None):
                 restored = result
                 break
+            if reason is not None and restore.ORBAX_STRUCTURE_MISMATCH in reason:  # saved before "empty_nodes"
+                raise ValueError(
+                    f"Checkpoint step {step} in {self.directory} does not fit the state here: Orbax finds the saved "
+                    "tree's structure different (the optimizer or the model changed, e.g. adam -> adamw, with the "
+                    f"same arrays). {reason}. Restore with the optimizer and model it was saved with."
+                )
             if self.read_only and not (self.directory / str(step)).exists():
                 continue  # removed by the writer's max_to_keep meanwhile: not damage
             reason = reason or "damaged on another process"

@@ -89,6 +89,22 @@ def describe_leaves(tree, layouts: list[LeafLayout | None] | None = None) -> lis
     ]
 
 
+def empty_nodes(tree) -> list[str]:
+    """The paths of the subtrees of ``tree`` that hold no array (optax's ``EmptyState``, an empty dict, None).
+
+    They are the structure that the leaves' paths do not show: ``adam`` and ``adamw``, or ``sgd`` and a chain
+    of clipping and ``sgd``, have the same leaves but not the same tree, and Orbax refuses to restore one into
+    the other."""
+    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_childless)[0]
+    return [jax.tree_util.keystr(path) for path, x in nodes if _childless(x)]
+
+
+def _childless(x) -> bool:
+    """A pytree node without children (``EmptyState()``, ``{}``, None), not an array."""
+    structure = jax.tree.structure(x)
+    return structure.num_nodes == 1 and structure.num_leaves == 0
+
+
 def leaf_layouts(state) -> list[LeafLayout | None]:
     """Per leaf of ``restore.as_dict(state)`` (in flattening order), its ``LeafLayout`` when ``state`` keeps a
     sharded optimizer state, else None."""

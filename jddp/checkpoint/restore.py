@@ -18,6 +18,7 @@ from jddp.runtime.state import TrainState
 
 STATE, LOADER, META, EXTRA = "state", "loader", "meta", "extra"
 DAMAGED_SUFFIX = ".damaged"
+ORBAX_STRUCTURE_MISMATCH = "tree structures do not match"  # Orbax's words when the saved tree is another one
 
 
 def as_dict(state: TrainState) -> dict[str, Any]:
@@ -37,22 +38,12 @@ def read_meta(directory, step: int) -> tuple[dict | None, str | None]:
 
 def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
     """Raises if the checkpoint holds another model or (unless allowed) another config: an error, not damage."""
-    mine = digest.describe_leaves(as_dict(state), digest.leaf_layouts(state))
-    theirs = meta.get("leaves", [])
-    differ = [(a, b) for a, b in zip(theirs, mine, strict=False) if a != b]
-    differ.sort(key=lambda pair: not pair[1][0].startswith("['params']"))  # name a parameter first
-    if differ:
-        a, b = differ[0]
-        raise ValueError(
-            f"Checkpoint step {step} in {ckpt.directory} holds another model: its leaf {a[0]} has shape "
-            f"{tuple(a[1])} and dtype {a[2]}, but the state here has {b[0]} with shape {tuple(b[1])} and dtype "
-            f"{b[2]}. Restore into the model that was saved, or use another directory."
-        )
-    if len(theirs) != len(mine):
-        raise ValueError(
-            f"Checkpoint step {step} in {ckpt.directory} holds another model: {len(theirs)} state leaves saved, "
-            f"{len(mine)} here. Restore into the model that was saved, or use another directory."
-        )
+    tree = as_dict(state)
+    why = structure_difference(meta.get("leaves", []), digest.describe_leaves(tree, digest.leaf_layouts(state)))
+    if why is None and "empty_nodes" in meta:  # saved by jddp 0.x before the field: Orbax's own check remains
+        why = _empty_difference(meta["empty_nodes"], digest.empty_nodes(tree))
+    if why is not None:
+        raise ValueError(f"Checkpoint step {step} in {ckpt.directory} holds {why}")
     if ckpt.fingerprint and meta.get("config_fingerprint") and meta["config_fingerprint"] != ckpt.fingerprint:
         saved = meta.get("config", {})
         keys = sorted(k for k in set(saved) | set(ckpt.config) if saved.get(k) != ckpt.config.get(k))
@@ -64,6 +55,53 @@ def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
         if not ckpt.allow_config_change:
             raise ValueError(message)
         warnings.warn(message, CheckpointWarning, stacklevel=5)
+
+
+def structure_difference(theirs: list[list], mine: list[list]) -> str | None:
+    """What differs first between the saved leaves and this state's (``[path, shape, dtype]`` each, compared by
+    path, a parameter named first), with the fix; None when they agree."""
+    saved, here = {a[0]: a for a in theirs}, {b[0]: b for b in mine}
+    differ = [path for path in here if path in saved and saved[path] != here[path]]
+    only_saved = [path for path in saved if path not in here]
+    only_here = [path for path in here if path not in saved]
+    first = lambda paths: sorted(paths, key=lambda path: not path.startswith("['params']"))[0]
+    if differ:
+        path = first(differ)
+        (_, a_shape, a_dtype), (_, b_shape, b_dtype) = saved[path][:3], here[path][:3]
+        what = f"its leaf {path} has shape {tuple(a_shape)} and dtype {a_dtype}, here shape {tuple(b_shape)} and "
+        what += f"dtype {b_dtype}"
+    elif only_saved or only_here:
+        what = f"it holds {len(saved)} leaves and the state here {len(mine)}: " + (
+            f"{first(only_saved)} is saved but not here" if only_saved else f"{first(only_here)} is not saved"
+        )
+        path = first(only_saved or only_here)
+    else:
+        return None
+    return _with_fix(path, what)
+
+
+def _empty_difference(theirs: list[str], mine: list[str]) -> str | None:
+    if theirs == mine:
+        return None
+    path = next((p for p in [*theirs, *mine] if (p in theirs) != (p in mine)), (theirs or mine)[0])
+    side = "saved" if path in theirs else "here"
+    what = (
+        f"the same arrays, but its tree differs where no array is: the empty node {path} (an optax EmptyState, an "
+        f"empty dict) is only {side} ({len(theirs)} such nodes saved, {len(mine)} here)"
+    )
+    return _with_fix(path, what)
+
+
+def _with_fix(path: str, what: str) -> str:
+    """``what`` differs at ``path``: what the checkpoint holds, and the fix."""
+    if path.startswith("['opt_state']"):
+        return (
+            f"another optimizer state: {what}. The optimizer differs from the one saved (another optax "
+            "transformation or chain, e.g. adam -> adamw or clipping added). Restore with the optimizer it was "
+            "saved with; to go on with another one, start a new state from the restored parameters "
+            "(DataParallel.init(jddp.models.to_host(restored.params))) and save it in another directory."
+        )
+    return f"another model: {what}. Restore into the model that was saved, or use another directory."
 
 
 def try_restore(
