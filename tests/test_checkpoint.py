@@ -511,6 +511,45 @@ def test_a_checkpoint_saved_without_its_empty_nodes_is_still_refused_not_set_asi
     assert "0" in os.listdir(tmp_path) and not any(".damaged" in f for f in os.listdir(tmp_path))
 
 
+NO_CLOSE = """
+import sys
+import jddp
+jddp.simulate_cpu_devices(2)
+import numpy as np, optax
+loss_fn = lambda p, ms, b, rng: (jddp.masked_mean((b["x"] @ p["w"] - b["y"]) ** 2, b.get("mask")), (ms, {}))
+dp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=jddp.data_mesh())
+state = dp.init({"w": np.zeros((1024, 512), np.float32)})
+ckpt = jddp.Checkpointer(sys.argv[1])
+for i in range(3):
+    state, _ = dp.step(state, {"x": np.ones((4, 1024), np.float32), "y": np.ones((4, 512), np.float32)})
+ckpt.save(state)
+if sys.argv[2] == "raise":
+    raise RuntimeError("the script fails after its save")
+"""
+
+
+@pytest.mark.parametrize("how", ["returns", "raise"])
+def test_a_script_that_ends_without_close_still_writes_its_last_save(tmp_path, how):
+    """torch.save habits: ``save`` and the end of the script, no ``close``. The async save is finished at exit
+    (said on stderr), the lease given back; before, the step was lost with the interpreter, silently. Alone (no
+    group), an unhandled exception does not change that."""
+    done = subprocess.run(
+        [sys.executable, "-c", NO_CLOSE, str(tmp_path), how],
+        env=multiprocess.environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == (0 if how == "returns" else 1), done.stderr[-3000:]
+    assert "ended without closing the Checkpointer" in done.stderr and "(step 3)" in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["3"], os.listdir(tmp_path)  # the step, and no lease left
+    with jddp.Checkpointer(tmp_path, read_only=True) as ckpt:
+        mesh = jddp.data_mesh(jax.devices()[:2])
+        dp = jddp.DataParallel(lambda p, ms, b, r: (0.0, (ms, {})), optax.adam(1e-2), mesh=mesh)
+        state = ckpt.restore_or_init(dp.init({"w": np.zeros((1024, 512), np.float32)}))
+    assert int(state.step) == 3 and float(jnp.abs(state.params["w"]).sum()) > 0
+
+
 def test_config_change_is_an_error_unless_allowed(tmp_path):
     _, state, loader = make(2)
     with jddp.Checkpointer(tmp_path, config={"lr": 0.01, "batch": 16}) as ckpt:

@@ -11,12 +11,16 @@ back (``restore``).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import functools
 import os
+import sys
+import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -28,7 +32,7 @@ from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, lease, preemption, restore, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
 from jddp.checkpoint.restore import DAMAGED_SUFFIX, EXTRA, LOADER, META, STATE
-from jddp.runtime import dispatch, distributed, progress
+from jddp.runtime import dispatch, distributed, progress, watchdog
 from jddp.runtime.state import TrainState
 
 
@@ -152,6 +156,12 @@ class Checkpointer:
         self._unconfirmed: list[int] = []  # steps handed to Orbax and not yet known written
         self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0}
         self.damaged: list[tuple[int, str]] = []  # (step, reason) of each checkpoint set aside by a restore
+        # A script that ends without close() (torch.save habits): its last async save would die with the
+        # interpreter, and the lease stay behind. At exit, it is finished and the Checkpointer closed: among
+        # threading's exit hooks, which run before concurrent.futures refuses new work at shutdown (Orbax's
+        # writes need it; an atexit hook runs too late), and before non-daemon threads are joined.
+        if not read_only:
+            _register_at_exit(functools.partial(_close_at_exit, weakref.ref(self)))
 
     # ---------------------------------------------------------------- basics
 
@@ -501,6 +511,31 @@ class Checkpointer:
         self._step = self._last_saved = step
         progress.set_step(step)
         return (new_state, loader) if loader is not None else new_state
+
+
+# Python's own hook list for this (concurrent.futures uses it); run newest first, so after anything registered
+# later than an executor's shutdown. Where it is missing, atexit (too late for async saves, but still the lease).
+_register_at_exit = getattr(threading, "_register_atexit", atexit.register)
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """The interpreter exits with this Checkpointer still open: its started saves are written (said on stderr),
+    then it is closed. Not after a failure of the group (the peers would not meet its final barrier)."""
+    ckpt = ref()
+    if ckpt is None or ckpt._closed or not watchdog.group_healthy():
+        return
+    if ckpt._unconfirmed or ckpt._pending is not None:
+        print(
+            f"jddp: the script ended without closing the Checkpointer of {str(ckpt.directory)!r}; writing its "
+            f"last save (step {ckpt._unconfirmed[-1] if ckpt._unconfirmed else '?'}) before the exit. Call "
+            "close() (or use a `with` block) to wait for it where you choose.",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        ckpt.close()
+    except Exception as error:  # at exit nobody can catch it: say it
+        print(f"jddp: the Checkpointer of {str(ckpt.directory)!r} failed to close at exit: {error}", file=sys.stderr)
 
 
 def _check_stateful(name: str, value, method: str) -> None:

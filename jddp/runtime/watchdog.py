@@ -343,6 +343,12 @@ class Watchdog(threading.Thread):
             self.call(self.client.key_value_set, self.key, state, allow_overwrite=True, timeout_s=5.0)
 
 
+def group_healthy() -> bool:
+    """False once this process is ending because the group failed (an unhandled exception here, a lost peer, a
+    stall): then nothing at exit may wait for the peers. True alone and in a group that is well."""
+    return _watchdog is None or _watchdog.state in (None, DONE)
+
+
 @contextlib.contextmanager
 def waiting():
     """Around a jddp call where the main thread waits for peers (a step's output, an agreement): while it lasts,
