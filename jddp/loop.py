@@ -123,7 +123,7 @@ def fit(
         the end and is closed.
       log_dir: where process 0 writes ``metrics.jsonl``, TensorBoard events,
         ``config.yaml`` and ``loss.png``; None writes no files.
-      log_every: steps between training records (and the last step).
+      log_every: steps between training records (and the last step); None: a record at the last step only.
       config: the run's config (dataclass, mapping or OmegaConf config): printed,
         saved, and fingerprinted by the checkpointer.
       progress: a tqdm bar on process 0.
@@ -405,7 +405,7 @@ class _Run:
             self.bar.update(1)
         self.window.add(metrics)
         epoch_end = self.loader.sampler.position % len(self.loader) == 0
-        if self.step % self.log_every == 0 or self.step == self.total:
+        if (self.log_every is not None and self.step % self.log_every == 0) or self.step == self.total:
             with self.timed("step_s"):
                 means = self.window.compute()  # waits for this step: the only wait per log interval
             self.record("train", {**means, **{f"last_{k}": v for k, v in self.window.last.items()}})

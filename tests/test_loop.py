@@ -162,6 +162,16 @@ def test_metrics_are_read_only_at_log_points():
     assert all(m._host is not None for m in returned)
 
 
+def test_log_every_none_records_training_once_at_the_last_step(tmp_path):
+    """``log_every=None`` (accepted by the validation) means one train record, at the end; it used to pass the
+    validation and then fail after the first step (``step % None``), the state already donated."""
+    dp, state, train, _ = make(2)
+    fit(dp, state, train, steps=7, log_every=None, log_dir=tmp_path, progress=False)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("split") == "train"] == [7]
+    assert next(r for r in records if r.get("split") == "train")["steps"] == 7
+
+
 def test_epochs_evaluate_at_each_epoch_end_once(tmp_path):
     dp, state, train, test = make(2)
     result = fit(dp, state, train, epochs=2, eval_loader=test, log_every=4, progress=False)
