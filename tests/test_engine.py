@@ -87,6 +87,47 @@ def test_accumulate_with_uneven_masks_is_exact(mesh):
     assert abs(float(m1["loss"]) - float(m4["loss"])) < 1e-6
 
 
+@pytest.mark.parametrize("kind", ["nnx-rngs", "int-counter"])
+def test_accumulate_steps_keeps_integer_model_state_that_every_device_computes_alike(mesh, kind):
+    """An NNX model holding ``nnx.Rngs`` (any ``nnx.Dropout(rate, rngs=rngs)``) keeps uint32 stream counters in
+    its model state, and a model may count its calls in an integer. With ``accumulate_steps`` they were cast to
+    varying for the scan and then refused as "differs across devices"; now they train as with one micro-batch
+    (dropout off, so the gradients are the same), and the counter counts the model's calls."""
+    from flax import nnx
+
+    rs = np.random.RandomState(0)
+    batch = {"x": rs.randn(32, 6).astype(np.float32), "y": rs.randint(0, 3, 32).astype(np.int32)}
+    xent = lambda logits, b: jddp.masked_mean(
+        optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), b.get("mask")
+    )
+    if kind == "nnx-rngs":
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.l1, self.drop = nnx.Linear(6, 16, rngs=rngs), nnx.Dropout(0.0, rngs=rngs)
+                self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+            def __call__(self, x):
+                return self.l2(self.drop(nnx.relu(self.l1(x))))
+
+        graphdef, params, model_state = jddp.models.nnx_split(Net(nnx.Rngs(0)))
+        loss_fn = jddp.models.nnx_loss(graphdef, lambda model, b, rng: xent(model(b["x"]), b))
+    else:
+
+        def loss_fn(params, model_state, b, rng):
+            return xent(b["x"] @ params["w"], b), ({"calls": model_state["calls"] + 1}, {})
+
+        params, model_state = {"w": rs.randn(6, 3).astype(np.float32)}, {"calls": np.zeros((), np.int32)}
+    states = {}
+    for k in (1, 2):
+        dp = jddp.DataParallel(loss_fn, optax.sgd(LR), mesh=mesh, accumulate_steps=k)
+        states[k], _ = dp.step(dp.init(params, model_state), batch)
+        jax.block_until_ready(states[k])
+    assert max_diff(states[1].params, states[2].params) < 1e-6
+    if kind == "int-counter":
+        assert int(states[1].model_state["calls"]) == 1 and int(states[2].model_state["calls"]) == 2
+
+
 def test_uneven_masks_give_exact_global_mean(mesh):
     model = models.pytree()
     # 8 devices x 8 rows: device 0 full, device 1 empty, the rest uneven.

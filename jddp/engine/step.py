@@ -22,7 +22,7 @@ from jax import lax
 from jddp import runtime
 from jddp import typing as jt
 from jddp.engine import checks, fused, reduce, varying
-from jddp.runtime import packing
+from jddp.runtime import jax_internals, packing
 from jddp.runtime import state as state_lib
 from jddp.runtime.layout import LeafLayout
 
@@ -177,16 +177,28 @@ class DeviceStep:
         k = self.options.accumulate_steps
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         first = jax.tree.map(lambda x: x[0], micro)
-        model_state = jax.tree.map(varying.varying, model_state)
+        # The scan carries the model state. Float leaves are carried varying (batch statistics computed from the
+        # data); other leaves (an RNG stream's counter, a step count) stay as the loss_fn leaves them: invariant
+        # when computed from replicated values, else varying, and then refused by name (``split_varying``).
+        model_state = jax.tree.map(lambda x: varying.varying(x) if _inexact(x) else x, model_state)
         shapes = jax.eval_shape(self._local_grads, params_v, model_state, first, key)
+        carried = [_inexact(x) or DATA in jax_internals.varying_axes(x) for x in jax.tree.leaves(shapes[1])]
         zeros = jax.tree.map(lambda s: varying.varying(jnp.zeros(s.shape, s.dtype)), (shapes[0], shapes[2]))
+
+        def carry_state(ms):
+            leaves, treedef = jax.tree.flatten(ms)
+            return jax.tree.unflatten(
+                treedef, [varying.varying(x) if c else x for x, c in zip(leaves, carried, strict=True)]
+            )
+
+        model_state = carry_state(model_state)
 
         def body(carry, xs):
             grads_acc, ms, sums_acc = carry
             mb, i = xs
             g, ms, s = self._local_grads(params_v, ms, mb, jax.random.fold_in(key, i))
             add = functools.partial(jax.tree.map, jnp.add)
-            return (add(grads_acc, g), jax.tree.map(varying.varying, ms), add(sums_acc, s)), None
+            return (add(grads_acc, g), carry_state(ms), add(sums_acc, s)), None
 
         init = (zeros[0], model_state, zeros[1])
         (grads, model_state, sums), _ = lax.scan(body, init, (micro, jnp.arange(k)))
@@ -222,6 +234,10 @@ def mean_of(grad_sum: jax.Array, dtype, scale: jax.Array) -> jax.Array:
 def unpacked(batch):
     """A ``PackedBatch`` (from ``jddp.data.DataLoader``) as its dict of arrays."""
     return packing.unpack(batch.data, batch.layout) if isinstance(batch, packing.PackedBatch) else batch
+
+
+def _inexact(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def leading_size(batch) -> int:
