@@ -251,6 +251,25 @@ def test_clip_grad_norm_after_averaging(mesh):
     assert max_diff(state.params, expected) < 1e-6
 
 
+@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["replicated", "zero"])
+def test_float16_reduce_sums_means_not_totals(mesh, shard_optimizer):
+    """``reduce_dtype=jnp.float16`` (DDP's fp16 compression hook): a mean gradient of 320 over 256 examples on 8
+    devices has a total of 81920, over float16's 65504. The sum travels as per-device means and the step equals
+    float32's to float16's rounding; before, every such step overflowed and was skipped as non-finite."""
+    loss_fn = lambda p, ms, b, rng: (jddp.masked_mean((b["x"] @ p["w"] - b["y"]) ** 2, b.get("mask")), (ms, {}))
+    rs = np.random.RandomState(0)
+    b = {"x": np.full((256, 4), 10.0, np.float32) + rs.rand(256, 4).astype(np.float32), "y": np.zeros(256, np.float32)}
+    results = {}
+    for wire in (None, jnp.float16):
+        dp = jddp.DataParallel(loss_fn, optax.sgd(1e-5), mesh=mesh, reduce_dtype=wire, shard_optimizer=shard_optimizer)
+        results[wire], m = dp.step(dp.init({"w": np.full((4,), 0.4, np.float32)}), b)
+        assert float(m["nonfinite"]) == 0.0 and float(m["grad_norm"]) > 600
+    grad = np.mean(2 * (b["x"] @ np.full(4, 0.4, np.float32))[:, None] * b["x"], axis=0)
+    expected = 0.4 - 1e-5 * grad
+    np.testing.assert_allclose(np.asarray(results[None].params["w"]), expected, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(results[jnp.float16].params["w"]), expected, rtol=2e-7, atol=1e-5 * 0.5)
+
+
 def nan_loss_fn(params, model_state, batch, rng):
     loss = jnp.mean((batch["x"] * params["w"]) ** 2) / batch["scale"][0]
     return loss, ({"seen": model_state["seen"] + 1.0}, {})

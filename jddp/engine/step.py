@@ -50,7 +50,9 @@ class DeviceStep:
         # model state still varying, summed together (XLA emits one op; across CPU
         # processes `fused_psum` makes it one buffer per dtype, so one pass of the ring).
         synced, varying_state, unflatten_state = varying.split_varying(model_state)
-        grads_sum, sums, synced_sum = self.psum((self._wire(grads), sums, varying_state), DATA)
+        rows = leading_size(unpacked(batch))
+        grads_sum, sums, synced_sum = self.psum((self._wire(grads, rows), sums, varying_state), DATA)
+        grads_sum = self._unwire(grads_sum, rows)
         model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
         return self._apply(state, grads_sum, sums, model_state)
 
@@ -64,7 +66,8 @@ class DeviceStep:
         (``jddp.engine.zero``)."""
         _, grads, model_state, sums = self._local(train, rng, batch)
         synced, varying_state, unflatten_state = varying.split_varying(model_state)
-        leaves, treedef = jax.tree.flatten(self._wire(grads))
+        rows = leading_size(unpacked(batch))
+        leaves, treedef = jax.tree.flatten(self._wire(grads, rows))
         split = [i for i, layout in enumerate(layouts) if layout.axis is not None]
         padded = [layouts[i].pad(leaves[i]) for i in split]
         if self.fuse:
@@ -74,10 +77,12 @@ class DeviceStep:
                 lax.psum_scatter(g, DATA, scatter_dimension=int(layouts[i].axis or 0), tiled=True)
                 for g, i in zip(padded, split, strict=True)
             ]
+        scattered = self._unwire(scattered, rows)
         square_dtype = reduce.sum_dtype(*(g.dtype for g in leaves))
         squares = optax.tree.norm(scattered, squared=True).astype(square_dtype)  # the padding adds zeros
         whole = [g for g, layout in zip(leaves, layouts, strict=True) if layout.axis is None]
         sums, synced_sum, whole, squares = self.psum((sums, varying_state, whole, squares), DATA)
+        whole = self._unwire(whole, rows)
         squares = squares + optax.tree.norm(whole, squared=True).astype(square_dtype)  # summed whole: once
         out = list(whole)
         for i, g in zip(split, scattered, strict=True):
@@ -98,10 +103,26 @@ class DeviceStep:
             grads, model_state, sums = self._accumulate(params_v, state.model_state, batch, key)
         return state, grads, model_state, sums
 
-    def _wire(self, grads):
-        """The gradients in the dtype they are summed in (``reduce_dtype``, else their own)."""
+    def _narrow(self) -> bool:
+        """Whether ``reduce_dtype`` is a float of narrow range (float16: 65504), where a sum of gradients over
+        the examples of every device overflows long before their mean would."""
         wire = self.options.reduce_dtype
-        return grads if wire is None else jax.tree.map(lambda g: g.astype(wire), grads)
+        return wire is not None and float(jnp.finfo(wire).max) < 1e6
+
+    def _wire(self, grads, rows: int):
+        """The gradients in the dtype they are summed in (``reduce_dtype``, else their own). In a narrow float
+        they are first divided by this device's batch rows, the same static number on every device, so that
+        the sum carries per-device means (as DDP's fp16 hook divides by the world size); ``_unwire`` multiplies
+        it back in float32, and the result stays the exact weighted mean."""
+        wire = self.options.reduce_dtype
+        if wire is None:
+            return grads
+        if self._narrow():
+            return jax.tree.map(lambda g: (g.astype(jnp.float32) / rows).astype(wire), grads)
+        return jax.tree.map(lambda g: g.astype(wire), grads)
+
+    def _unwire(self, summed, rows: int):
+        return jax.tree.map(lambda g: g.astype(jnp.float32) * rows, summed) if self._narrow() else summed
 
     def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state, place=None, squares=None):
         """The optimizer update from the all-reduced sums, identical on every replica.
