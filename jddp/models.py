@@ -109,9 +109,22 @@ def nnx_eval(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch], jt.Met
 
 def nnx_module(graphdef: nnx.GraphDef, state: state_lib.TrainState) -> nnx.Module:
     """The trained NNX module of ``state`` on the host, in eval mode (``.train()`` switches it back)."""
-    model = nnx.merge(graphdef, to_host(state.params), to_host(state.model_state))
+    model = nnx.merge(graphdef, to_host(state.params), _typed_keys(to_host(state.model_state)))
     model.eval()
     return model
+
+
+def _typed_keys(model_state):
+    """``model_state`` with each ``nnx.Rngs`` stream's key typed again (``nnx_split`` keeps it as raw uint32 key
+    data, which a state of arrays can hold), so that the module's streams draw as before it was split."""
+    if not isinstance(model_state, nnx.State):
+        return model_state
+    flat = []
+    for path, variable in nnx.to_flat_state(model_state):
+        if isinstance(variable, nnx.RngKey) and not _is_key(variable.get_value()):
+            variable = variable.replace(jax.random.wrap_key_data(jnp.asarray(variable.get_value())))
+        flat.append((path, variable))
+    return nnx.from_flat_state(flat)
 
 
 def linen_variables(state: state_lib.TrainState) -> dict:
@@ -120,15 +133,30 @@ def linen_variables(state: state_lib.TrainState) -> dict:
 
 
 def to_host(tree):
-    """``tree`` (params, model state, a whole ``TrainState``) as NumPy arrays, read from this process's own
-    replica: no communication, on any process."""
+    """``tree`` (params, model state, a whole ``TrainState``) as NumPy arrays of their own (writable copies),
+    read from this process's own replica: no communication, on any process.
 
-    def host(x):
-        if isinstance(x, jax.Array):
-            return np.asarray(x.addressable_shards[0].data) if x.is_fully_replicated else np.asarray(x)
-        return x
+    Raises:
+      ValueError: a leaf is split over several processes (the optimizer state of ``shard_optimizer=True``
+        across processes), so that no process holds it whole; names the leaf and the fix.
+    """
 
-    return jax.tree.map(host, tree)
+    def host(path, x):
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_replicated:
+            return np.array(x.addressable_shards[0].data)
+        if not x.is_fully_addressable:
+            raise ValueError(
+                f"to_host reads this process's own copy, but the leaf {jax.tree_util.keystr(path)} (shape "
+                f"{x.shape}, {x.sharding}) is split over several processes: no process holds it whole. Read the "
+                "replicated parts (to_host(state.params), to_host(state.model_state)); the optimizer state of "
+                "shard_optimizer=True is in the checkpoint, or gather it on every process at once with "
+                "jax.experimental.multihost_utils.process_allgather."
+            )
+        return np.array(x)
+
+    return jax.tree_util.tree_map_with_path(host, tree)
 
 
 def _is_key(x) -> bool:

@@ -137,6 +137,37 @@ def test_an_exported_nnx_model_predicts_what_eval_step_measured():
     assert not np.allclose(models.to_host(state.model_state["bn"]["mean"]), 0)  # it trained its statistics
 
 
+def test_an_exported_nnx_model_trains_again_eagerly_with_its_dropout_streams():
+    """``nnx_module``'s model switched back to ``.train()`` and called eagerly: BatchNorm updates its statistics
+    in place and Dropout draws from its stream, so the arrays must be the host's own (they were read-only views
+    of the device buffers) and the stream's key typed again (it came back as raw uint32 data)."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(6, 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.dense(x)))
+
+    graphdef, params, model_state = models.nnx_split(Net(nnx.Rngs(0)))
+    dp = jddp.DataParallel(
+        models.nnx_loss(graphdef, lambda m, b, r: jnp.mean(m(b["x"]) ** 2)), optax.sgd(0.1), mesh=jddp.data_mesh()
+    )
+    state, _ = dp.step(dp.init(params, model_state), {"x": np.random.RandomState(0).randn(16, 6).astype(np.float32)})
+    exported = models.nnx_module(graphdef, state)
+    assert all(x.flags.writeable for x in jax.tree.leaves(models.to_host(state)))
+    x = np.random.RandomState(1).randn(8, 6).astype(np.float32)
+    before = np.array(exported.bn.mean.get_value())
+    exported.train()
+    first, second = np.asarray(exported(x)), np.asarray(exported(x))
+    assert not np.allclose(first, second)  # a new dropout mask per call
+    assert not np.allclose(np.asarray(exported.bn.mean.get_value()), before)  # statistics updated in place
+    exported.eval()
+    np.testing.assert_array_equal(np.asarray(exported(x)), np.asarray(exported(x)))
+
+
 class LinenEval(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
