@@ -15,7 +15,7 @@ do; it runs them in the right order and writes what happened:
   itself keeps at most ``max_inflight`` steps queued) and a ``train`` record
   appended to ``log_dir/metrics.jsonl`` (flushed: a kill loses nothing
   already logged) and to TensorBoard: the means over the steps since the last
-  record, weighted by their real examples (``RunningMeans``), plus ``examples``,
+  record, weighted by their real examples or ``Weighted`` weights (``RunningMeans``), plus ``examples``,
   ``steps`` and the last step's metrics as ``last_<name>``; at each epoch's end
   a ``train_epoch`` record of the epoch's means; ``dp.evaluate`` on ``eval_loader`` every
   ``eval_every`` steps (or at each epoch end) and at the end;

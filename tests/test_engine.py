@@ -436,7 +436,8 @@ def test_metrics_are_read_once_and_name_clashes_raise(mesh):
     dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=mesh)
     _, metrics = dp.step(dp.init(model.params), models.batch(64))
     assert list(metrics) == ["loss", "examples", "grad_norm", "nonfinite", "accuracy"]
-    assert isinstance(metrics["loss"], float) and metrics.packed.shape == (5,)
+    assert isinstance(metrics["loss"], float) and metrics.packed.shape == (10,)  # the values, then their weights
+    assert metrics.weights["loss"] == metrics.weights["accuracy"] == metrics["examples"]
     with pytest.raises(KeyError, match=r"No metric 'acc'; the metrics are"):
         metrics["acc"]
 

@@ -127,3 +127,31 @@ def test_the_state_keeps_the_last_step():
     again.set_state(first.get_state())
     assert again.last == first.last == {"loss": 2.0, "examples": 4.0, "nonfinite": 0.0}
     assert again.compute() == first.compute()
+
+
+def test_a_weighted_loss_and_metric_are_averaged_over_their_own_weights_across_steps():
+    """A per-token loss (``jddp.Weighted``) and a per-token metric: the means over several steps weigh each
+    step by its tokens, as one big batch would, not by its examples (one step of long sequences, one of short
+    ones). Checked against NumPy over all tokens; before, the loss's mean over the two steps was weighted 4:4."""
+    n, t = 8, 6
+    rs = np.random.RandomState(0)
+    x = rs.randn(n, t).astype(np.float32)
+    lengths = np.array([6, 6, 6, 6, 1, 1, 1, 1])
+    tokens = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+
+    def loss_fn(p, ms, b, rng):
+        mask = b["tokens"]
+        per_token = (b["x"] * p["w"]) ** 2 * mask
+        weight = mask.sum()
+        return jddp.Weighted(per_token.sum(), weight), (ms, {"big": jddp.Weighted((per_token > 1).sum(), weight)})
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.0), mesh=jddp.data_mesh(jax.devices()[:2]))
+    state = dp.init({"w": np.ones((), np.float32)})
+    means = RunningMeans()
+    for rows_ in (slice(0, 4), slice(4, 8)):
+        state, metrics = dp.step(state, {"x": x[rows_], "tokens": tokens[rows_]})
+        means.add(metrics)
+    out = means.compute()
+    assert out["loss"] == pytest.approx(float(((x**2) * tokens).sum() / tokens.sum()), rel=1e-6)
+    assert out["big"] == pytest.approx(float(((x**2 > 1) * tokens).sum() / tokens.sum()), rel=1e-6)
+    assert out["examples"] == 8 and out["steps"] == 2

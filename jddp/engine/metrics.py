@@ -14,7 +14,7 @@ class Metrics(Mapping[str, float]):
     """A read-only mapping of metric names to Python floats.
 
     The compiled step returns all its metrics as one replicated float32 vector
-    (``eval_step``'s vector carries each metric's weight after the values)
+    (the steps' vectors carry each metric's weight after the values)
     (one output buffer instead of one per metric: measurably cheaper per step on
     CPU). Nothing is copied to the host until a value is read; the first read
     waits for the step and transfers the vector once. It is a pytree whose one
@@ -52,7 +52,8 @@ class Metrics(Mapping[str, float]):
 
     @property
     def weights(self) -> dict[str, float]:
-        """What each mean of ``eval_step`` averages over (real examples, or the ``Weighted`` weights)."""
+        """What each mean averages over (real examples, or the ``Weighted`` weights): ``loss`` and the
+        ``loss_fn``'s or ``eval_fn``'s metrics; empty for a vector without weights."""
         self._values()
         return self._weights
 
@@ -82,7 +83,8 @@ jax.tree_util.register_pytree_node(
 
 
 class RunningMeans:
-    """Means of step metrics over many steps, weighted by each step's real examples (exact, like one big batch).
+    """Means of step metrics over many steps, exact like one big batch: each mean weighted by what it averaged
+    over in its step (real examples, or a ``Weighted`` loss's or metric's weight, e.g. tokens).
 
     ``add`` keeps the step's ``Metrics`` on the device (no wait); ``compute`` reads every pending step in one
     transfer. A step skipped as non-finite (``nonfinite`` 1) is left out of the means and counted in
@@ -106,6 +108,7 @@ class RunningMeans:
     def reset(self) -> None:
         self._pending: list[Metrics] = []
         self._sums: dict[str, float] = {}
+        self._totals: dict[str, float] = {}  # per metric, the weights summed
         self._examples = 0.0
         self._steps = self._skipped = 0
         self.last: dict[str, float] = {}
@@ -124,9 +127,9 @@ class RunningMeans:
                 rows = jax.device_get([m.packed for m in self._pending])
             for m, row in zip(self._pending, rows, strict=True):
                 m._store(row)  # read once: dict(m) no longer waits
-                self._absorb(dict(m))
+                self._absorb(dict(m), m._weights)
             self._pending = []
-        out = {k: v / self._examples if self._examples > 0 else 0.0 for k, v in self._sums.items()}
+        out = {k: v / self._totals[k] if self._totals.get(k, 0) > 0 else 0.0 for k, v in self._sums.items()}
         out.update(examples=self._examples, steps=self._steps)
         if self._skipped or "nonfinite" in self.last:
             out["nonfinite"] = self._skipped
@@ -138,6 +141,7 @@ class RunningMeans:
         self.compute()
         return {
             "sums": dict(self._sums),
+            "totals": dict(self._totals),
             "examples": self._examples,
             "steps": self._steps,
             "skipped": self._skipped,
@@ -149,19 +153,25 @@ class RunningMeans:
         self.reset()
         self._sums = {str(k): float(v) for k, v in state["sums"].items()}
         self._examples = float(state["examples"])
+        # A state saved before the per-metric weights: every mean was weighted by the examples.
+        self._totals = {
+            str(k): float(v) for k, v in state.get("totals", dict.fromkeys(self._sums, self._examples)).items()
+        }
         self._steps, self._skipped = int(state["steps"]), int(state["skipped"])
         self.last = {str(k): float(v) for k, v in state["last"].items()}
 
-    def _absorb(self, row: dict[str, float]) -> None:
+    def _absorb(self, row: dict[str, float], weights: dict[str, float]) -> None:
         if self.parent is not None:
-            self.parent._absorb(row)
+            self.parent._absorb(row, weights)
         self.last = row
         self._steps += 1
         if row.get("nonfinite", 0.0) > 0:
             self._skipped += 1
             return
-        weight = row["examples"]
-        self._examples += weight
+        examples = row["examples"]
+        self._examples += examples
         for k, v in row.items():
             if k not in ("examples", "nonfinite"):
+                weight = weights.get(k, examples)  # grad_norm, and vectors without weights: the examples
                 self._sums[k] = self._sums.get(k, 0.0) + v * weight
+                self._totals[k] = self._totals.get(k, 0.0) + weight

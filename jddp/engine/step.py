@@ -171,7 +171,12 @@ class DeviceStep:
         params, opt_state, model_state = lax.cond(take, update, skip, operands)
         checks.check_metric_names(aux, metrics)
         metrics.update({k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()})
-        return (state.step + 1, params, opt_state, model_state), self._pack("step", metrics)
+        # Each mean's weight follows the values (as eval's do), so that means over many steps are exact for a
+        # ``Weighted`` loss or metric too (tokens, not examples): ``RunningMeans``.
+        weights = {"loss": loss_w.weight, **{k: w.weight for k, w in aux.items()}}
+        packed = self._pack("step", metrics)
+        row = jnp.stack([jnp.asarray(weights.get(k, examples), packed.dtype) for k in metrics])
+        return (state.step + 1, params, opt_state, model_state), jnp.concatenate([packed, row])
 
     def _pack(self, program: str, metrics: dict) -> jax.Array:
         """Records the metric names (at trace time) and stacks the values (float32, or float64 if one is)."""
