@@ -504,6 +504,18 @@ CASES = [
         r"The source must support `len\(\)` and indexing .* got int",
     ),
     Case(
+        "a tuple of columns (PyTorch's TensorDataset(X, Y))",
+        lambda e: loader((np.zeros((64, 3), np.float32), np.zeros(64, np.int32))),
+        TypeError,
+        r"The source is a tuple of 2 arrays of 64 rows each, which would be read as 2 examples.*\{'x': X, 'y': Y\}",
+    ),
+    Case(
+        "records that are (features, label) tuples",
+        lambda e: next(iter(loader([(np.zeros(3, np.float32), 1)] * 64))),
+        TypeError,
+        r"Example \d+ of the source is a tuple of 2 \(PyTorch's `\(features, label\)`\).*\{'x': features, 'y': label\}",
+    ),
+    Case(
         "source field of strings",
         lambda e: loader({"x": np.zeros((64, 3), np.float32), "label": np.array(["cat"] * 64)}),
         TypeError,

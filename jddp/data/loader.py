@@ -220,6 +220,13 @@ def read(source, indices: np.ndarray) -> Example:
     if isinstance(source, Mapping):
         return {k: np.asarray(v)[indices] for k, v in source.items()}
     records = [source[int(i)] for i in indices]
+    for i, r in zip(indices, records, strict=True):
+        if isinstance(r, tuple):
+            raise TypeError(
+                f"Example {int(i)} of the source is a tuple of {len(r)} (PyTorch's `(features, label)`); jddp's "
+                "batches are dicts, so a record must be a dict of arrays (or one array, read as 'x'): return "
+                "{'x': features, 'y': label} from the source's __getitem__, or pass the columns as a dict of arrays."
+            )
     return _stack([r if isinstance(r, Mapping) else {"x": r} for r in records])
 
 
@@ -269,6 +276,14 @@ def source_size(source) -> int:
         if len(set(sizes.values())) != 1:
             raise ValueError(f"Every array of the source must have the same length, got {sizes}.")
         return next(iter(sizes.values()), 0)
+    if isinstance(source, tuple) and source and all(hasattr(a, "shape") and len(a.shape) >= 1 for a in source):
+        lengths = {int(a.shape[0]) for a in source}
+        if len(lengths) == 1 and lengths != {len(source)}:
+            raise TypeError(
+                f"The source is a tuple of {len(source)} arrays of {lengths.pop()} rows each, which would be read as "
+                f"{len(source)} examples. Pass the columns as a dict (PyTorch's TensorDataset(X, Y) is "
+                "{'x': X, 'y': Y} here), or a list of records."
+            )
     try:
         return len(source)
     except TypeError:
