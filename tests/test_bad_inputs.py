@@ -412,6 +412,13 @@ CASES = [
         r"mask must be a real or bool array of 0/1, got dtype complex64",
     ),
     Case(
+        "loss_fn returns (loss, metrics), the Flax habit",
+        lambda e: step_with(e, lambda p, ms, b, r: (jnp.sum(p["w1"]), {"acc": jnp.float32(1)})),
+        TypeError,
+        r"It returned a tuple of 2 \(.*, dict\) \(the metrics alone as its second element: return \(loss, "
+        r"\(model_state, metrics\)\)",
+    ),
+    Case(
         "loss_fn returns a bare loss",
         lambda e: step_with(e, loss_returning(lambda p, b: jnp.sum(p["w1"]))),
         TypeError,

@@ -164,7 +164,12 @@ def unpack_loss(out):
 
 def describe(x) -> str:
     if isinstance(x, tuple):
-        return f"a tuple of {len(x)}"
+        inner = ", ".join(type(v).__name__ for v in x[:3])
+        hint = ""
+        if len(x) == 2 and isinstance(x[1], dict):
+            hint = " (the metrics alone as its second element: return (loss, (model_state, metrics)), the model state "
+            hint += "passed in unchanged if the model has none)"
+        return f"a tuple of {len(x)} ({inner}{', ...' if len(x) > 3 else ''}){hint}"
     return f"{type(x).__name__} {getattr(x, 'shape', '')}".strip()
 
 
