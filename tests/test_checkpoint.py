@@ -550,6 +550,51 @@ def test_a_script_that_ends_without_close_still_writes_its_last_save(tmp_path, h
     assert int(state.step) == 3 and float(jnp.abs(state.params["w"]).sum()) > 0
 
 
+LATE_SIGTERM = """
+import atexit, os, signal, sys
+import jddp
+jddp.simulate_cpu_devices(2)
+import numpy as np, optax
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))  # a late SIGTERM: after jddp's exit hooks
+loss_fn = lambda p, ms, b, rng: (jddp.masked_mean((b["x"] @ p["w"]) ** 2, b.get("mask")), (ms, {}))
+dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+state = dp.init({"w": np.ones((3,), np.float32)})
+ckpt = jddp.Checkpointer(sys.argv[1])
+
+
+def train(ckpt):
+    global state
+    for step in range(100):
+        state, _ = dp.step(state, {"x": np.ones((4, 3), np.float32)})
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        ckpt.maybe_save(state)
+
+
+if sys.argv[2] == "with":
+    with ckpt:
+        train(ckpt)
+else:
+    train(ckpt)
+"""
+
+
+@pytest.mark.parametrize("how", ["with", "no-close"])
+def test_a_preempted_process_exits_75_even_if_another_sigterm_comes_during_its_exit(tmp_path, how):
+    """After the preemption save the process exits 75, closing its Checkpointer on the way (a ``with`` block, or
+    jddp's exit hook): a second SIGTERM then (a launcher's forward, a scheduler's repeat) must not turn 75 into a
+    kill by the signal. Seen in the suite under load as `killed by SIGTERM` after `exit 75`."""
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_SIGTERM, str(tmp_path), how],
+        env=multiprocess.environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == exitcodes.EXIT_PREEMPTED, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["3"]
+
+
 def test_config_change_is_an_error_unless_allowed(tmp_path):
     _, state, loader = make(2)
     with jddp.Checkpointer(tmp_path, config={"lr": 0.01, "batch": 16}) as ckpt:

@@ -406,8 +406,16 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        if kind is not None and issubclass(kind, SystemExit):
+            self._keep_sigterm()
         self.close()
+
+    def _keep_sigterm(self) -> None:
+        """The process is exiting (75 after a preemption save, or any ``sys.exit``): closing leaves SIGTERM to
+        jddp's handler, so that a late one (a launcher's forward, a scheduler's repeat) cannot turn the exit
+        code into a kill by the signal."""
+        self._preemption = None
 
     # ---------------------------------------------------------------- restoring
 
@@ -532,6 +540,7 @@ def _close_at_exit(ref: weakref.ref) -> None:
             file=sys.stderr,
             flush=True,
         )
+    ckpt._keep_sigterm()
     try:
         ckpt.close()
     except Exception as error:  # at exit nobody can catch it: say it
