@@ -713,6 +713,22 @@ def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_r
 
 
 @pytest.mark.multiprocess
+def test_an_exception_while_an_async_save_is_written_exits_1_and_the_restart_resumes_bitwise_equal(
+    tmp_path, two_process_reference
+):
+    """Process 0 raises right after handing over the save of step 8. Its peer exits 69; process 0 must exit 1 by
+    itself, not wait at exit for Orbax's commit thread, which waits at a barrier for the peer that left (before:
+    the launcher had to SIGKILL it, and named it frozen). The restart resumes from the last complete step."""
+    done = launch_worker(tmp_path, env={"RAISE_AT": "8"})
+    shown = f"{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, shown
+    assert "first failure: process 0, failed with exit code 1" in done.stderr, shown
+    assert "did not end with the group" not in done.stderr, shown
+    log = assert_same_run(tmp_path, two_process_reference, "raise at 8")
+    assert {r["attempt"] for r in log} == {0, 1}
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("target", ["launcher", "self"], ids=["to-the-launcher", "to-process-1-only"])
 def test_two_processes_sigterm_save_the_agreed_step_and_resume_bitwise_equal(tmp_path, two_process_reference, target):
     """SIGTERM after step 8, to the launcher (forwarded to both) or to process 1 alone: both stop at one step."""

@@ -390,6 +390,10 @@ def _install_exit_hooks() -> None:
 
     sys.excepthook = excepthook
     atexit.register(_at_exit)
+    # A failed process must not wait at exit for a non-daemon thread that waits for its peers (Orbax's commit of
+    # an async save, at a barrier the peers that exited 69 never reach): Python joins those threads before the
+    # atexit hooks run, so this exit path is among threading's own hooks, which run first.
+    getattr(threading, "_register_atexit", atexit.register)(_exit_if_failed)
 
 
 def _is_collective_failure(error: BaseException) -> bool:
@@ -398,19 +402,27 @@ def _is_collective_failure(error: BaseException) -> bool:
     return any(marker in text for marker in ("Gloo", "Connection closed by peer", "Connection reset by peer"))
 
 
+def _exit_if_failed() -> None:
+    """Ended by an unhandled exception (marked FAILED): exit 1 now. Peers stop on the mark; waiting for them
+    (at a barrier, or in a thread of Orbax's) would only delay the exit, or never end; process 0 waits until they
+    have seen it, since its exit would abort them."""
+    watchdog = _watchdog
+    if watchdog is None or not watchdog.is_alive() or watchdog.state != FAILED:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if watchdog.process_id == 0:
+        watchdog.linger(limit_s=watchdog.peer_timeout_s)
+    os._exit(1)
+
+
 def _at_exit() -> None:
     """Finished normally: wait for the others (the watchdog still guards us), then let JAX shut down."""
     watchdog = _watchdog
     if watchdog is None or not watchdog.is_alive():
         return
-    if watchdog.state == FAILED:
-        # Peers stop on the mark; waiting for them at a barrier would only delay the exit (process 0 waits until
-        # they have seen it: its exit would abort them).
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        if watchdog.process_id == 0:
-            watchdog.linger(limit_s=watchdog.peer_timeout_s)
-        os._exit(1)
+    _exit_if_failed()
     watchdog.mark(DONE)
     # Wait for every peer to finish, however long its remaining work takes: the watchdog (still running) ends
     # this process if a peer dies or fails meanwhile. Only then does JAX's own time-limited shutdown barrier run.

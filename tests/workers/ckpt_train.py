@@ -10,7 +10,8 @@ TERM_AT=step makes that process send SIGTERM after that step in attempt 0: to it
 TERM_TO=launcher to its parent (``jddp launch``, which forwards it to every process); it then
 pauses for TERM_PAUSE seconds (default 0), so that the notice reaches every process while the
 run still has steps to go. A process stopped by preemption prints its step before exiting.
-PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1).
+PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1). RAISE_AT=step makes process 0
+raise right after that step's ``maybe_save`` in attempt 0 (an unhandled exception while its async save is written).
 """
 
 import json
@@ -94,6 +95,8 @@ while step < steps:
         except SystemExit as stop:
             print(f"PREEMPTED process {jax.process_index()} at step {step}, exit {stop.code}", flush=True)
             raise
+        if step == int(os.environ.get("RAISE_AT", "-1")) and jax.process_index() == 0 and attempt == 0:
+            raise RuntimeError(f"a check failed on process 0 after step {step}")
         if step == steps:
             break
 ckpt.save(state, loader)
