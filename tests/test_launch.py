@@ -612,6 +612,42 @@ def test_a_jobwide_sigterm_without_a_launcher_saves_at_the_same_step_the_service
     assert not [p for p in service if Path(f"/proc/{p}").exists() and "Z" not in _state(p)], "the service outlived"
 
 
+def test_a_jobwide_sigterm_under_the_launcher_saves_at_the_same_step_the_service_outlives_it():
+    """The same job-wide SIGTERM (scancel, a time limit, a cgroup kill) under ``jddp launch``: the launcher, the
+    coordination service it runs and the workers all get it. The service ignores it (the launcher stops it with
+    SIGUSR1), so the workers agree on a step and exit 75; before, the service died at once and the workers' save
+    failed on the lost coordinator (exit 1, the launcher 143)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jddp.launch", "-n", "2", GROUP, "preempt"],
+        env=multiprocess.environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=multiprocess.ROOT,
+    )
+    try:
+        assert launcher.stdout is not None
+        seen = []
+        for line in launcher.stdout:
+            seen.append(line)
+            if "READY" in line:
+                break
+        children = [int(p) for p in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()]
+        assert len(children) == 3, (children, seen)  # the service and two workers
+        for pid in [launcher.pid, *children]:
+            os.kill(pid, signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    shown = "".join(seen) + out + err[-3000:]
+    assert launcher.returncode == exitcodes.EXIT_PREEMPTED, shown
+    stops = sorted(line for line in (out + "".join(seen)).splitlines() if "PREEMPTED" in line)
+    assert len(stops) == 2 and stops[0].split(" at step ")[1] == stops[1].split(" at step ")[1], shown
+    time.sleep(1)
+    assert not [p for p in children if Path(f"/proc/{p}").exists() and "Z" not in _state(p)], "a process outlived"
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]

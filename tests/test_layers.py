@@ -137,4 +137,5 @@ def test_names_shared_by_layers_that_may_not_import_each_other_agree():
     assert launch.DEFAULT_PEER_TIMEOUT_S == distributed.DEFAULT_PEER_TIMEOUT_S
     assert launch.ENV_COORDINATOR_HOSTED == distributed.ENV_COORDINATOR_HOSTED
     assert launch.SERVICE_READY.decode() == coordinator.READY
+    assert launch.SERVICE_STOP_SIGNAL == coordinator.STOP_SIGNAL
     assert config.FINGERPRINT == digest.FINGERPRINT

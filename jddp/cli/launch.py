@@ -112,6 +112,8 @@ PEER_LOST_WAIT_S = 5.0  # after a process exits 69, how long the others get to e
 # this node's processes, still running, are stopped: the group has ended there (a frozen process here never would).
 SERVICE_GONE_S = 5.0
 SERVICE_READY = b"jddp coordinator: listening on"  # jddp.runtime.coordinator.READY
+SERVICE_STOP_SIGNAL = signal.SIGUSR1  # jddp.runtime.coordinator.STOP_SIGNAL
+SERVICE_GRACE_S = 10.0  # the service outlives a launcher killed without a word by this long, then ends
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -354,6 +356,10 @@ class _Launcher:
         """
         net.check_port_free(*net.split_address(coordinator))
         argv = [str(self.config.nnodes * self.config.nprocs), str(SERVICE_HEARTBEAT_S), str(SERVICE_SHUTDOWN_S)]
+        # As for process 0's own service: the job's SIGTERM, SIGINT and SIGHUP (scancel, a time limit, a cgroup
+        # kill signal every process) are for the workers, which need the service to agree on a step and save; it
+        # stops on SERVICE_STOP_SIGNAL from this launcher, or SERVICE_GRACE_S after this launcher is gone.
+        argv += ["--parent", str(os.getpid()), "--grace", str(SERVICE_GRACE_S)]
         self.service = subprocess.Popen(
             [sys.executable, "-u", "-m", "jddp.runtime.coordinator", coordinator, *argv],
             stdout=subprocess.PIPE,
@@ -392,7 +398,7 @@ class _Launcher:
         if self.service is None:
             return
         if self.service.poll() is None:
-            self.service.terminate()
+            self.service.send_signal(SERVICE_STOP_SIGNAL)
             try:
                 self.service.wait(10)
             except subprocess.TimeoutExpired:
