@@ -595,6 +595,16 @@ def test_a_preempted_process_exits_75_even_if_another_sigterm_comes_during_its_e
     assert sorted(os.listdir(tmp_path)) == ["3"]
 
 
+def test_steps_seen_published_are_no_longer_listed_as_unconfirmed(tmp_path):
+    """A failed write's error names the steps not known written; a long run without ``wait()`` used to keep every
+    step it had saved in that list, and the error listed steps that retention had deleted after publishing."""
+    dp, state, loader = make(2)
+    with jddp.Checkpointer(tmp_path, save_every=1, max_to_keep=2) as ckpt:
+        train(dp, state, loader, 12, ckpt)
+        assert ckpt.all_steps() == [11, 12] or ckpt.all_steps()[-1] >= 11
+        assert len(ckpt._unconfirmed) <= 2 and ckpt._unconfirmed[-1] == 12, ckpt._unconfirmed
+
+
 def test_config_change_is_an_error_unless_allowed(tmp_path):
     _, state, loader = make(2)
     with jddp.Checkpointer(tmp_path, config={"lr": 0.01, "batch": 16}) as ckpt:

@@ -269,7 +269,10 @@ class Checkpointer:
         if extra is not None:
             items[EXTRA] = ocp.args.JsonSave(extra.get_state())
         digests = meta["digests"]
-        self._unconfirmed.append(step)
+        # The steps since the last wait() not yet seen published; one seen is confirmed (retention may delete it
+        # later, which is no failed write). Without this a long run's error listed every step it had saved.
+        published = set(self._manager.all_steps())
+        self._unconfirmed = [s for s in self._unconfirmed if s not in published] + [step]
         try:
             if self._writer is not None and handoff.on_cpu(saved):
                 digests.set_result(digest.digest_array(tree, layouts))
