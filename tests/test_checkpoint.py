@@ -528,18 +528,23 @@ if sys.argv[2] == "raise":
 """
 
 
-@pytest.mark.parametrize("how", ["returns", "raise"])
-def test_a_script_that_ends_without_close_still_writes_its_last_save(tmp_path, how):
-    """torch.save habits: ``save`` and the end of the script, no ``close``. The async save is finished at exit
-    (said on stderr), the lease given back; before, the step was lost with the interpreter, silently. Alone (no
-    group), an unhandled exception does not change that."""
-    done = subprocess.run(
-        [sys.executable, "-c", NO_CLOSE, str(tmp_path), how],
+def run_script(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python process of its own (jddp's exit hooks are the subject), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
         env=multiprocess.environment(),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.parametrize("how", ["returns", "raise"])
+def test_a_script_that_ends_without_close_still_writes_its_last_save(tmp_path, how):
+    """torch.save habits: ``save`` and the end of the script, no ``close``. The async save is finished at exit
+    (said on stderr), the lease given back; before, the step was lost with the interpreter, silently. Alone (no
+    group), an unhandled exception does not change that."""
+    done = run_script(NO_CLOSE, str(tmp_path), how)
     assert done.returncode == (0 if how == "returns" else 1), done.stderr[-3000:]
     assert "ended without closing the Checkpointer" in done.stderr and "(step 3)" in done.stderr, done.stderr
     assert sorted(os.listdir(tmp_path)) == ["3"], os.listdir(tmp_path)  # the step, and no lease left
@@ -584,13 +589,7 @@ def test_a_preempted_process_exits_75_even_if_another_sigterm_comes_during_its_e
     """After the preemption save the process exits 75, closing its Checkpointer on the way (a ``with`` block, or
     jddp's exit hook): a second SIGTERM then (a launcher's forward, a scheduler's repeat) must not turn 75 into a
     kill by the signal. Seen in the suite under load as `killed by SIGTERM` after `exit 75`."""
-    done = subprocess.run(
-        [sys.executable, "-c", LATE_SIGTERM, str(tmp_path), how],
-        env=multiprocess.environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_script(LATE_SIGTERM, str(tmp_path), how)
     assert done.returncode == exitcodes.EXIT_PREEMPTED, done.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["3"]
 
@@ -601,7 +600,7 @@ def test_steps_seen_published_are_no_longer_listed_as_unconfirmed(tmp_path):
     dp, state, loader = make(2)
     with jddp.Checkpointer(tmp_path, save_every=1, max_to_keep=2) as ckpt:
         train(dp, state, loader, 12, ckpt)
-        assert ckpt.all_steps() == [11, 12] or ckpt.all_steps()[-1] >= 11
+        assert ckpt.all_steps()[-1] >= 11  # retention ran: the early steps are gone from the directory
         assert len(ckpt._unconfirmed) <= 2 and ckpt._unconfirmed[-1] == 12, ckpt._unconfirmed
 
 

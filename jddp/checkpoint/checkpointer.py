@@ -11,13 +11,11 @@ back (``restore``).
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import contextlib
 import functools
 import os
 import sys
-import threading
 import time
 import warnings
 import weakref
@@ -161,7 +159,7 @@ class Checkpointer:
         # threading's exit hooks, which run before concurrent.futures refuses new work at shutdown (Orbax's
         # writes need it; an atexit hook runs too late), and before non-daemon threads are joined.
         if not read_only:
-            _register_at_exit(functools.partial(_close_at_exit, weakref.ref(self)))
+            watchdog.at_shutdown(functools.partial(_close_at_exit, weakref.ref(self)))
 
     # ---------------------------------------------------------------- basics
 
@@ -522,11 +520,6 @@ class Checkpointer:
         self._step = self._last_saved = step
         progress.set_step(step)
         return (new_state, loader) if loader is not None else new_state
-
-
-# Python's own hook list for this (concurrent.futures uses it); run newest first, so after anything registered
-# later than an executor's shutdown. Where it is missing, atexit (too late for async saves, but still the lease).
-_register_at_exit = getattr(threading, "_register_atexit", atexit.register)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

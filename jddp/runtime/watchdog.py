@@ -364,6 +364,12 @@ def waiting():
         watchdog.waiting_since = None
 
 
+# Python's hook list for what must run at shutdown before non-daemon threads are joined and before
+# concurrent.futures refuses new work (its own shutdown is one of them; newest first). A private name of the
+# threading module since Python 3.9; where it is missing, atexit, which runs later.
+at_shutdown = getattr(threading, "_register_atexit", atexit.register)
+
+
 def _install_exit_hooks() -> None:
     previous_hook = sys.excepthook
 
@@ -393,7 +399,7 @@ def _install_exit_hooks() -> None:
     # A failed process must not wait at exit for a non-daemon thread that waits for its peers (Orbax's commit of
     # an async save, at a barrier the peers that exited 69 never reach): Python joins those threads before the
     # atexit hooks run, so this exit path is among threading's own hooks, which run first.
-    getattr(threading, "_register_atexit", atexit.register)(_exit_if_failed)
+    at_shutdown(_exit_if_failed)
 
 
 def _is_collective_failure(error: BaseException) -> bool:
