@@ -320,7 +320,7 @@ def test_under_slurm_variables_losing_process_0_ends_the_group_naming_it(how):
         (nodes, victim, how)
         for nodes in (1, 2)
         for victim in (1, 0)
-        for how in ("exit3", "exit0", "os_exit", "raise", "sigkill", "sigstop")
+        for how in ("exit3", "exit0", "return", "os_exit", "raise", "sigkill", "sigstop")
     ]
     + [(1, 1, "gil")],
 )
@@ -374,17 +374,42 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
     expected = SURVIVOR_LINE[how].format(v=victim)
     assert re.search(rf"\[{survivor}\] jddp: process {survivor} of 2 ({expected})", stderr), shown
     code = VICTIM_CODE.get(how, -signal.SIGKILL)  # a frozen process is killed by its launcher
-    victim_says = exitcodes.describe(code)
+    victim_says = f", {exitcodes.describe(code)}"
     if how in ("sigstop", "gil"):
-        victim_says = f"did not end with the group (frozen or stuck), stopped by the launcher: {victim_says}"
-    assert f"first failure: process {victim}, {victim_says}" in stderr or (nodes == 2 and not frozen_on_0), shown
+        victim_says = f", did not end with the group (frozen or stuck), stopped by the launcher: {victim_says[2:]}"
+    if how in ("exit0", "return"):  # named as the cause, not the peer it left (which exited 69)
+        victim_says = r" exited 0 at [\d:]+ while its peers still needed it: it returned early or called sys.exit\(0\)"
+    else:
+        victim_says = re.escape(victim_says)
+    named = re.search(rf"first failure: process {victim}{victim_says}", stderr)
+    assert named or (nodes == 2 and not frozen_on_0), shown
     codes = [launcher.returncode for launcher in launchers]
     if nodes == 1:
-        assert codes == [code if code >= 0 else 128 - code], shown
+        # A process that exited 0 while its peers still needed it fails the job: with the peers' code (69), never 0.
+        expected = exitcodes.EXIT_PEER_LOST if how in ("exit0", "return") else code if code >= 0 else 128 - code
+        assert codes == [expected], shown
     else:
+        # One launcher per node sees only its own processes: the victim's node cannot tell its exit 0 was early.
         assert codes[survivor] == exitcodes.EXIT_PEER_LOST and codes[victim] == (code if code >= 0 else 128 - code), (
             shown
         )
+
+
+@pytest.mark.parametrize("how", ["return", "exit0"])
+def test_a_process_that_returns_early_is_a_failure_the_launcher_restarts_on(how):
+    """A process that exits 0 while its peers still need it is the group's failure, as an exception would be:
+    ``--max-restarts`` restarts the group for it, naming it, and once no restart is left the launcher exits with
+    the code of the peers it left (69), not 0: a scheduler or a retry loop must not take the run for finished."""
+    common = ("--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1", "--max-restarts", "1")
+    done = multiprocess.launch("-n", "2", *common, GROUP, "end", "1", how, timeout=300)
+    shown = done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.returncode == exitcodes.EXIT_PEER_LOST, shown
+    assert len(lines_with(done.stdout, "ENDING")) == 2, shown  # it ended early in both attempts
+    assert "restarting the group (1 of 1)" in done.stderr, shown
+    cause = r"first failure: process 1 exited 0 at [\d:]+ while its peers still needed it"
+    assert len(re.findall(cause, done.stderr)) == 2, shown  # named in the restart's summary and in the last one
+    assert "first failure: process 0" not in done.stderr, shown
+    assert "no restart left (--max-restarts 1)" in done.stderr, shown
 
 
 def ended_launchers(launchers: list[subprocess.Popen]) -> tuple[list, list[float]]:

@@ -58,7 +58,12 @@ is left, it prints a summary of how each process ended (saying which ones it
 had to stop), naming the first that failed, and exits with that process's code
 (``128 + N`` for a process killed by signal ``N``). Exits with code 69
 (``jddp.EXIT_PEER_LOST``) or by SIGABRT are consequences of another failure and
-are never named as the cause when a better candidate exists.
+are never named as the cause when a better candidate exists. When they are the
+only failures, the cause is a process that exited 0 while the others still
+needed it (it returned early from the script, or called ``sys.exit(0)``): the
+summary names it, a restart follows as after any failure, and the launcher exits
+with the code of the first peer it left (69), never 0. The launcher exits 0 only
+when every process exited 0.
 
 Signals: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every
 process (each runs in its own session, so a terminal's Ctrl-C reaches them only
@@ -326,6 +331,7 @@ class _Worker:
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     code: int | None = None
     ended: float | None = None  # monotonic time its exit was seen
+    ended_at: float | None = None  # the same as wall time, for the summary
     unresponsive: bool = False  # still running when the group had failed: the launcher killed it
     stopped_for_restart: bool = False  # still running when another failed and a restart followed: killed at once
 
@@ -481,7 +487,7 @@ class _Launcher:
             if w.code is None:
                 w.code = w.popen.poll()
                 if w.code is not None:
-                    w.ended = time.monotonic()
+                    w.ended, w.ended_at = time.monotonic(), time.time()
 
     def signal_all(self, signum: int) -> None:
         """Signals each process's whole session (its own children too, even after it exited)."""
@@ -594,6 +600,8 @@ class _Launcher:
         def describe(w: _Worker) -> str:
             if w.code is None:  # it outlived SIGKILL and the 30 s wait after it
                 return "still running"
+            if w is first_failed and w.code == 0:
+                return "exited 0 while its peers still needed it (the cause, below)"
             if w.stopped_for_restart:
                 return "stopped by the launcher for the restart (SIGKILL)"
             if w.unresponsive:
@@ -607,6 +615,8 @@ class _Launcher:
                 "the group stalled: each process's last line above names the process that was behind and where, "
                 "and each wrote a flight record (jddp.runtime.progress)"
             )
+        elif first_failed is not None and first_failed.code == 0:
+            lines.append(f"first failure: {early_exit(first_failed)}")
         elif first_failed is not None:
             lines.append(f"first failure: process {first_failed.process_id}, {describe(first_failed)}")
         elif self.reports is not None and self.reports.reports(self.attempt):
@@ -766,6 +776,8 @@ class _Launcher:
             if first_failed is not None:
                 assert first_failed.code is not None  # first_failure picks among processes that exited
                 what = exitcodes.describe(first_failed.code)
+                if first_failed.code == 0:
+                    what = "exited 0 while its peers still needed it (it returned early or called sys.exit(0))"
                 # The others end by themselves within the peer timeout, each naming what it lost (exit 69);
                 # signals only for those that do not. When the first to end lost a peer, the others that lost it
                 # judge the same silence and end within a watchdog round; whoever is still running after that is
@@ -811,7 +823,14 @@ class _Launcher:
         if first_failed is None:  # the group failed on another node, and this node's processes ended without fault
             return exitcodes.EXIT_PEER_LOST
         assert first_failed.code is not None  # first_failure picks among processes that exited
-        return 128 - first_failed.code if first_failed.code < 0 else first_failed.code
+        code = first_failed.code
+        if code == 0:
+            # The cause ended normally, early (first_failure picks a process that exited 0 only when every failure
+            # was a lost peer): the run failed all the same, with the code of the first peer it left (69).
+            left = [w for w in self.workers if w.code not in (None, 0, exitcodes.EXIT_PREEMPTED)]
+            code = min(left, key=lambda w: w.ended or 0.0).code if left else exitcodes.EXIT_PEER_LOST
+            assert code is not None
+        return 128 - code if code < 0 else code
 
     def run(self) -> int:
         c = self.config
@@ -848,6 +867,17 @@ class _Launcher:
             shutil.rmtree(self.note_dir, ignore_errors=True)
             if self.reports is not None:
                 self.reports.close()
+
+
+def early_exit(w: _Worker) -> str:
+    """What the summary says of a process that exited 0 while its peers still needed it (the cause of their 69)."""
+    at = time.strftime("%H:%M:%S", time.localtime(w.ended_at)) if w.ended_at is not None else "an unknown time"
+    return (
+        f"process {w.process_id} exited 0 at {at} while its peers still needed it: it returned early or called "
+        "sys.exit(0) (a loop that ended, or a branch taken on this process only), and the others, waiting for it in "
+        "a step, stopped (exit 69). Every process must run the same steps to the end; a run that failed on this "
+        "is not finished"
+    )
 
 
 def mpi_environment(config: LaunchConfig, attempt: int) -> dict[str, str]:
