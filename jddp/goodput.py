@@ -49,6 +49,8 @@ import struct
 import time
 from pathlib import Path
 
+from jddp import envvars
+
 LEDGER_DIR = "goodput"
 TIMERS = ("restore_s", "compile_s", "step_s", "data_wait_s", "checkpoint_s", "eval_s")  # fit's own timers
 # The ledger file's float64 slots, in file order.
@@ -73,11 +75,8 @@ _last_fit_end: float | None = None  # a second fit in the same process starts it
 
 
 def _env_time(name: str) -> float | None:
-    text = os.environ.get(name)
-    try:
-        return float(text) if text else None
-    except ValueError:
-        return None
+    """A time the launcher passed (``JDDP_ATTEMPT_START``, ``JDDP_PREVIOUS_END``), parsed by ``jddp.envvars``."""
+    return envvars.get(name)
 
 
 def mark_teardown(note: str | os.PathLike) -> None:
@@ -114,7 +113,7 @@ class Ledger:
         os.replace(tmp, self.path)
         self._slots = np.memmap(self.path, dtype=np.float64, mode="r+", shape=(len(SLOTS),))
         self._at = {k: i for i, k in enumerate(SLOTS)}
-        note = os.environ.get("JDDP_LEDGER_NOTE")
+        note = envvars.get("JDDP_LEDGER_NOTE")
         if note:  # tell jddp launch where to write its end (teardown_s)
             with contextlib.suppress(OSError):
                 Path(note).write_text(str(self.path.resolve()))
@@ -343,14 +342,19 @@ def plot(total: Total, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``jddp goodput RUN_DIR``: the run's account, and ``RUN_DIR/goodput.png``."""
+def get_args_parser():
+    """``jddp goodput``'s arguments (an ``argparse.ArgumentParser``)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="jddp goodput", description="Where a fit run's wall time went.")
     parser.add_argument("run_dir", help="the log_dir given to jddp.fit (holding metrics.jsonl and goodput/)")
     parser.add_argument("--png", default=None, help="where to draw the chart (default RUN_DIR/goodput.png)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``jddp goodput RUN_DIR``: the run's account, and ``RUN_DIR/goodput.png``."""
+    args = get_args_parser().parse_args(argv)
     run_dir = Path(args.run_dir)
     records = run_records(run_dir)
     if not records:

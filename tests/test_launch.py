@@ -220,7 +220,10 @@ def test_every_socket_of_a_local_run_is_on_loopback():
 
 def test_launcher_rejects_bad_arguments_before_starting_anything():
     done = multiprocess.launch("-n", "0", GROUP, "hello")
-    assert done.returncode == 2 and "-n/--nprocs must be at least 1, got 0" in done.stderr
+    assert done.returncode == 2 and "argument -n/--nprocs: must be an integer of at least 1, got '0'" in done.stderr
+    done = multiprocess.launch("--peer-timeout", "inf", GROUP, "hello")  # every process crashed on it
+    assert done.returncode == 2
+    assert "argument --peer-timeout: must be positive and finite: a number of seconds, got 'inf'" in done.stderr
     done = multiprocess.launch("--nnodes", "2", GROUP, "hello")
     assert done.returncode == 2 and "--nnodes > 1 needs --coordinator" in done.stderr
     done = multiprocess.launch("does_not_exist.py")

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from jddp import envvars
 from jddp.benchmark import models
 
 
@@ -33,7 +34,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=models.MODELS, required=True, help="benchmark model")
     p.add_argument("--out", required=True, help="JSON file process 0 writes the raw timings to")
     for name in ("batch_per_device", "steps", "warmup", "rounds"):
-        p.add_argument(f"--{name}", type=int, required=True, help=f"as jddp bench's --{name.replace('_', '-')}")
+        minimum = 0 if name == "warmup" else 1
+        p.add_argument(
+            f"--{name}", type=envvars.count(minimum), required=True, help=f"as jddp bench's --{name.replace('_', '-')}"
+        )
     return p
 
 

@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 
-from jddp import validate
+from jddp import envvars, validate
 from jddp.benchmark import models
 
 
@@ -94,26 +94,25 @@ class BenchConfig:
         return sorted({(1, 1)} | {(p, d) for p in self.processes for d in self.devices if d % p == 0})
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4, got {text!r}") from None
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="jddp bench", description="Throughput, scaling and latency of a jddp step.")
     p.add_argument("--model", choices=models.MODELS, default=d.model, help="model to train (default mlp)")
-    p.add_argument("--devices", type=_ints, default=d.devices, help="total device counts (default 1,2,4,8)")
-    p.add_argument("--processes", type=_ints, default=d.processes, help="process counts (default 1)")
-    p.add_argument("--batch-per-device", type=int, default=d.batch_per_device, help="examples per device (64)")
-    p.add_argument("--steps", type=int, default=d.steps, help="steps per timed run (default 20)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (default 5)")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="interleaved timed runs (default 5)")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="runs of each configuration, alternating (1)")
+    p.add_argument("--devices", type=envvars.counts(1), default=d.devices, help="total device counts (default 1,2,4,8)")
+    p.add_argument("--processes", type=envvars.counts(1), default=d.processes, help="process counts (default 1)")
+    p.add_argument(
+        "--batch-per-device", type=envvars.count(1), default=d.batch_per_device, help="examples per device (64)"
+    )
+    p.add_argument("--steps", type=envvars.count(1), default=d.steps, help="steps per timed run (default 20)")
+    p.add_argument("--warmup", type=envvars.count(0), default=d.warmup, help="untimed steps first (default 5)")
+    p.add_argument("--rounds", type=envvars.count(1), default=d.rounds, help="interleaved timed runs (default 5)")
+    p.add_argument(
+        "--repeats", type=envvars.count(1), default=d.repeats, help="runs of each configuration, alternating (1)"
+    )
     p.add_argument("--output", default=d.output, help="path prefix of the JSON and PNG (default ./bench)")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per configuration (default 600)")
+    p.add_argument(
+        "--timeout", type=envvars.seconds(), default=d.timeout_s, help="seconds per configuration (default 600)"
+    )
     return p
 
 

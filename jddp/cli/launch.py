@@ -90,6 +90,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -100,11 +101,11 @@ import threading
 import time
 from types import FrameType
 
-from jddp import exitcodes, net
+from jddp import envvars, exitcodes, net
 from jddp.cli import output, reports
 
 STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
-DEFAULT_PEER_TIMEOUT_S = 30.0  # jddp.runtime.distributed.DEFAULT_PEER_TIMEOUT_S (this module imports no JAX)
+DEFAULT_PEER_TIMEOUT_S: float = envvars.VARIABLES["JDDP_PEER_TIMEOUT"].default  # distributed's (no JAX here)
 ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # the pipe for Python's stdout (jddp.runtime.distributed.ENV_STDOUT_FD)
 ENV_COORDINATOR_HOSTED = "JDDP_COORDINATOR_HOSTED"  # jddp.runtime.distributed.ENV_COORDINATOR_HOSTED
 # The launcher's coordination service: its heartbeat timeout is a backstop only (the processes' watchdogs and
@@ -131,9 +132,13 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         epilog="The manual is the docstring of jddp/cli/launch.py "
         "(python -c 'import jddp.cli.launch; help(jddp.cli.launch)').",
     )
-    parser.add_argument("-n", "--nprocs", type=int, default=1, help="processes on this node (default 1)")
+    parser.add_argument("-n", "--nprocs", type=envvars.count(1), default=1, help="processes on this node (default 1)")
     parser.add_argument(
-        "--devices-per-process", type=int, default=None, metavar="D", help="simulated CPU devices in each process"
+        "--devices-per-process",
+        type=envvars.count(1),
+        default=None,
+        metavar="D",
+        help="simulated CPU devices in each process",
     )
     parser.add_argument(
         "--coordinator",
@@ -141,28 +146,42 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="address of process 0's coordination service (default 127.0.0.1 and a free port; required with --nnodes)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="number of hosts, one launcher on each (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="index of this host, 0 to nnodes-1 (default 0)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="restarts of the group after a failure (default 0)")
     parser.add_argument(
-        "--monitor-interval", type=float, default=0.2, metavar="S", help="seconds between checks (default 0.2)"
+        "--nnodes", type=envvars.count(1), default=1, help="number of hosts, one launcher on each (default 1)"
+    )
+    parser.add_argument(
+        "--node-rank", type=envvars.count(0), default=0, help="index of this host, 0 to nnodes-1 (default 0)"
+    )
+    parser.add_argument(
+        "--max-restarts", type=envvars.count(0), default=0, help="restarts of the group after a failure (default 0)"
+    )
+    parser.add_argument(
+        "--monitor-interval",
+        type=envvars.seconds(),
+        default=0.2,
+        metavar="S",
+        help="seconds between checks (default 0.2)",
     )
     parser.add_argument(
         "--kill-grace",
-        type=float,
+        type=envvars.seconds(),
         default=3.0,
         metavar="S",
         help="after a failure, seconds between SIGTERM and SIGKILL for the others (default 3)",
     )
     parser.add_argument(
         "--term-timeout",
-        type=float,
+        type=envvars.seconds(),
         default=30.0,
         metavar="S",
         help="after a forwarded signal, seconds the processes get before SIGKILL (default 30)",
     )
     parser.add_argument(
-        "--peer-timeout", type=float, default=None, metavar="S", help="seconds before a silent peer counts as dead"
+        "--peer-timeout",
+        type=envvars.seconds(),
+        default=None,
+        metavar="S",
+        help="seconds before a silent peer counts as dead",
     )
     parser.add_argument("--no-malloc-tuning", action="store_true", help="do not set GLIBC_TUNABLES for the processes")
     parser.add_argument(
@@ -237,12 +256,11 @@ class LaunchConfig:
                 )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
-        for name in ("monitor_interval", "kill_grace", "term_timeout"):
-            if not getattr(self, name) > 0:
+        for name in ("monitor_interval", "kill_grace", "term_timeout", "peer_timeout"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
                 flag = name.replace("_", "-")
-                raise ValueError(f"--{flag} must be a positive number of seconds, got {getattr(self, name)}.")
-        if self.peer_timeout is not None and not self.peer_timeout > 0:
-            raise ValueError(f"--peer-timeout must be a positive number of seconds, got {self.peer_timeout}.")
+                raise ValueError(f"--{flag} must be a positive, finite number of seconds, got {value}.")
         if self.transport not in ("xla", "mpi"):
             raise ValueError(f"--transport must be xla or mpi, got {self.transport!r}.")
         if self.transport == "mpi" and (self.nnodes > 1 or (self.devices_per_process or 1) > 1 or self.cpu_share):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jddp import _version
+from jddp import _version, envvars
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -18,7 +18,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="print JAX version, backend, devices per process and process count")
     info.add_argument(
-        "--simulate-devices", type=int, default=None, metavar="N", help="simulate N CPU devices first (for a dry run)"
+        "--simulate-devices",
+        type=envvars.count(1),
+        default=None,
+        metavar="N",
+        help="simulate N CPU devices first (for a dry run)",
     )
     sub.add_parser(
         "launch", help="run a script as several processes; restart on failure (`jddp launch --help`)", add_help=False

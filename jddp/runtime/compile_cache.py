@@ -3,7 +3,8 @@
 ``jddp.initialize()`` turns on JAX's persistent compilation cache unless the
 script configured one itself (``jax_compilation_cache_dir`` or
 ``$JAX_COMPILATION_CACHE_DIR``). Where: ``$JDDP_COMPILATION_CACHE`` (a
-directory; ``0`` or ``off`` turns it off), else ``$XDG_CACHE_HOME/jddp/xla``
+directory; ``0``, ``off``, ``false`` or ``no`` turns it off; ``1``, ``on``,
+``true`` or ``yes`` means the default), else ``$XDG_CACHE_HOME/jddp/xla``
 or ``~/.cache/jddp/xla``. Every compiled program is kept
 (``jax_persistent_cache_min_compile_time_secs=0``, unless set): on 2 CPU cores
 the small programs of a step are what a restart waits for.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-OFF = ("0", "off", "false", "no")
+from jddp import envvars
 
 
 def default_dir() -> Path:
@@ -38,14 +39,14 @@ def enable() -> str | None:
 
     from jddp.runtime import jax_internals
 
-    setting = os.environ.get("JDDP_COMPILATION_CACHE")
-    if setting is not None and setting.strip().lower() in OFF:
+    setting = envvars.get("JDDP_COMPILATION_CACHE")  # a directory, True (the default one) or False (off)
+    if setting is False:
         return None
     if jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # pyright: ignore[reportAttributeAccessIssue]
         jax_internals.make_cache_writes_atomic()
         jax_internals.cache_writes_from_every_process()
         return None  # the script chose its own
-    directory = Path(setting) if setting else default_dir()
+    directory = Path(setting) if isinstance(setting, str) else default_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -36,13 +36,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import sys
 import threading
 import time
 
-from jddp import net
+from jddp import envvars, net
 from jddp.runtime import compile_cache, jax_internals, mesh, progress, watchdog
 from jddp.runtime import coordinator as coordinator_lib
 
@@ -57,8 +58,8 @@ ENV_STDOUT_FD = "JDDP_STDOUT_FD"  # set by `jddp launch` (jddp.cli.launch.ENV_ST
 # in a process of its own (jddp.runtime.coordinator), so process 0 joins it as a client instead of starting it.
 ENV_COORDINATOR_HOSTED = "JDDP_COORDINATOR_HOSTED"
 
-DEFAULT_PEER_TIMEOUT_S = 30.0
-DEFAULT_INIT_TIMEOUT_S = 120.0
+DEFAULT_PEER_TIMEOUT_S: float = envvars.VARIABLES[ENV_PEER_TIMEOUT].default  # 30 s
+DEFAULT_INIT_TIMEOUT_S: float = envvars.VARIABLES[ENV_INIT_TIMEOUT].default  # 120 s
 HEARTBEAT_MARGIN_S = 15
 
 
@@ -77,6 +78,7 @@ _barrier_counts: dict[str, int] = {}
 
 
 def _env_int(name: str) -> int | None:
+    """A variable of MPI's (``PMI_RANK``, ``PMI_SIZE``); jddp's own are read through ``jddp.envvars``."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return None
@@ -90,11 +92,12 @@ def _own_stdout() -> None:
     """Under ``jddp launch``: ``sys.stdout`` moves to the pipe the launcher gave Python alone, so that what C++
     writes to fd 1 (gloo's chatter, from its own threads, cut anywhere) never lands inside a printed line
     (``jddp.cli.output``)."""
-    fd = os.environ.pop(ENV_STDOUT_FD, None)
-    if not fd or not fd.isdigit():
+    fd = envvars.get(ENV_STDOUT_FD)
+    os.environ.pop(ENV_STDOUT_FD, None)
+    if fd is None:
         return
     try:
-        stream = os.fdopen(int(fd), "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", errors="replace")
+        stream = os.fdopen(fd, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", errors="replace")
     except OSError:
         return  # not inherited (a process started by the script itself): keep fd 1
     sys.stdout.flush()
@@ -110,10 +113,11 @@ def check_joined() -> None:
     """
     if _group is not None:
         return
-    raw = os.environ.get("JDDP_NUM_PROCESSES", "")
-    if not raw.isdigit() or int(raw) <= 1 or _joined_elsewhere():
+    raw = envvars.get(ENV_NUM_PROCESSES)
+    if raw is None or raw <= 1 or _joined_elsewhere():
         return
-    me = os.environ.get("JDDP_PROCESS_ID", "?")
+    me = envvars.get(ENV_PROCESS_ID)
+    me = "?" if me is None else me
     raise RuntimeError(
         f"This process was started as process {me} of a group of {raw} (JDDP_NUM_PROCESSES={raw}, set by "
         "`jddp launch`), but it has not joined the group: jddp.initialize() was not called, so each process "
@@ -125,16 +129,6 @@ def check_joined() -> None:
 def _joined_elsewhere() -> bool:
     """True if the process joined a group without jddp (``jax.distributed.initialize`` called directly)."""
     return jax_internals.distributed_client() is not None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"Environment variable {name}={raw!r} must be a number of seconds.") from None
 
 
 def _wait_reachable(host: str, port: int, deadline: float, process_id: int, num_processes: int) -> None:
@@ -292,24 +286,24 @@ class _Settings:
 
     @classmethod
     def resolve(cls, coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind):
-        coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR) or None
-        num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
-        process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+        coordinator = coordinator if coordinator is not None else envvars.get(ENV_COORDINATOR)
+        num_processes = num_processes if num_processes is not None else envvars.get(ENV_NUM_PROCESSES)
+        process_id = process_id if process_id is not None else envvars.get(ENV_PROCESS_ID)
         if coordinator is None and num_processes is None and process_id is None:
             coordinator, num_processes, process_id = _from_mpi() or (None, None, None)
-        local_devices = local_devices if local_devices is not None else _env_int(ENV_LOCAL_DEVICES)
+        local_devices = local_devices if local_devices is not None else envvars.get(ENV_LOCAL_DEVICES)
         if init_timeout_s is None:
-            init_timeout_s = _env_float(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
+            init_timeout_s = envvars.get(ENV_INIT_TIMEOUT)
         if peer_timeout_s is None:
-            peer_timeout_s = _env_float(ENV_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT_S)
+            peer_timeout_s = envvars.get(ENV_PEER_TIMEOUT)
         settings = cls(coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind)
         settings.check()
         return settings
 
     def check(self) -> None:
         for name, value in (("init_timeout_s", self.init_timeout_s), ("peer_timeout_s", self.peer_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}.")
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"`{name}` must be a positive, finite number of seconds, got {name}={value!r}.")
         given = {"coordinator": self.coordinator, "num_processes": self.num_processes, "process_id": self.process_id}
         if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
             missing = [k for k, v in given.items() if v is None]
@@ -436,7 +430,7 @@ def _join(settings: _Settings, shutdown_timeout_s: float) -> str | None:
     host, port = net.split_address(coordinator)
     deadline = time.monotonic() + settings.init_timeout_s
     bind = settings.bind_address or coordinator
-    if process_id == 0 and os.environ.get(ENV_COORDINATOR_HOSTED) == "1":
+    if process_id == 0 and envvars.get(ENV_COORDINATOR_HOSTED):
         # jax.distributed.initialize starts a service in process 0 whatever happens; this one listens on a port
         # of its own that no process joins, and the group uses the launcher's.
         bind = "127.0.0.1:0"

@@ -50,7 +50,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jddp import exitcodes
+from jddp import envvars, exitcodes
 
 WINDOW = 256  # recent tick intervals the bound is learned from
 # Phases with a learned length: their time counts into tick intervals. Any other phase (setup, compile,
@@ -71,24 +71,17 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        def number(name: str, default: float) -> float:
-            text = os.environ.get(name)
-            if text is None or text == "":
-                return default
-            try:
-                value = float(text)
-            except ValueError:
-                raise ValueError(f"${name}={text!r} must be a number of seconds (e.g. {default:g}).") from None
-            if not value > 0:
-                raise ValueError(f"${name}={text!r} must be positive.")
-            return value
+        """The settings of the ``JDDP_STALL*`` and ``JDDP_FLIGHT_DIR`` variables (parsed by ``jddp.envvars``).
 
+        Raises:
+          ValueError: naming a variable whose value is refused, and the accepted values.
+        """
         settings = cls(
-            enabled=os.environ.get("JDDP_STALL", "1") not in ("0", "off", "false", "no"),
-            factor=number("JDDP_STALL_FACTOR", cls.factor),
-            floor_s=number("JDDP_STALL_FLOOR", cls.floor_s),
-            ceiling_s=number("JDDP_STALL_CEILING", cls.ceiling_s),
-            flight_dir=os.environ.get("JDDP_FLIGHT_DIR") or None,
+            enabled=envvars.get("JDDP_STALL"),
+            factor=envvars.get("JDDP_STALL_FACTOR"),
+            floor_s=envvars.get("JDDP_STALL_FLOOR"),
+            ceiling_s=envvars.get("JDDP_STALL_CEILING"),
+            flight_dir=envvars.get("JDDP_FLIGHT_DIR"),
         )
         settings.check()
         return settings
