@@ -4,12 +4,12 @@ Generated at import time from README.md and docs/**/*.md; each test is named by 
 (``README.md:L39``, ``docs/guides/launch.md:L5``), and a failure shows the traceback in the Markdown file's lines.
 
 Python blocks. The blocks of one page run in order in one namespace, as the page reads (a block may use what the
-page's earlier blocks defined); each test runs its page's earlier blocks first, so it stands alone on any xdist
-worker. A page's block whose first line is ``# continues the quickstart`` starts from the namespace of the
-quickstart (docs/index.md), as the guides read. A block whose first line is ``# fragment: <reason>`` is skipped with
-that reason, and so is a command listed in ``SKIPPED_COMMANDS``. The blocks run in pytest's process, whose JAX
-already has the 8 CPU devices they ask for (``jddp.simulate_cpu_devices(8)`` returns at once then), in a temporary
-directory.
+page's earlier blocks defined): a test continues the namespace its page's previous block left on this xdist worker,
+or runs the page's earlier blocks first, so that it stands alone. A page whose first block starts with
+``# continues the quickstart`` starts from the namespace of the quickstart (docs/index.md), as the guides read. A
+block whose first line is ``# fragment: <reason>`` is skipped with that reason, and so is a command listed in
+``SKIPPED_COMMANDS``. The blocks run in pytest's process, whose JAX already has the 8 CPU devices they ask for
+(``jddp.simulate_cpu_devices(8)`` returns at once then), in a temporary directory.
 
 Commands. Each runs in a fresh process in a temporary directory (``configs/`` linked into it), with the overrides of
 ``SMALL`` appended so that it trains a few steps: ``key=value`` for the examples' configs and a repeated flag for
@@ -175,10 +175,12 @@ def commands(block: Block) -> list[Command]:
     """The commands of a shell block that start jddp or an example (or a user's ``train.py``), one per ``&&`` part."""
     found = []
     for offset, line in enumerate(block.text.splitlines(), start=1):
-        for part in " ".join(shlex.split(line, comments=True)).split(" && "):
-            words = part.split()
-            if words and (words[0] == "jddp" or "examples." in part or "train.py" in words):
-                found.append(Command(block.page, block.line + offset, part.strip()))
+        words = shlex.split(line, comments=True)
+        ends = [i for i, w in enumerate(words) if w == "&&"]
+        for start, end in zip([-1, *ends], [*ends, len(words)], strict=True):
+            part = words[start + 1 : end]
+            if part and (part[0] == "jddp" or any(w.startswith("examples.") for w in part) or "train.py" in part):
+                found.append(Command(block.page, block.line + offset, shlex.join(part)))
     return found
 
 
@@ -188,9 +190,17 @@ COMMANDS = [c for b in ALL_BLOCKS if b.lang in SHELL for c in commands(b)]
 SMALL = {
     "examples.mnist1d.train": ["epochs=1", "num_samples=1000", "progress=false"],  # the data its tests cached
     "examples.digits.train": ["epochs=1", "progress=false"],
-    "examples.lm.train": ["steps=2", "warmup_steps=1", "eval_batch_size=32", "progress=false"],
+    # jddp's top-level modules in place of the standard library: a corpus of about 15 files, a third held out
+    "examples.lm.train": [
+        "steps=2",
+        "warmup_steps=1",
+        "progress=false",
+        f"corpus_dir={ROOT / 'jddp'}",
+        "test_modulus=3",
+    ],
     "examples.flax_port.train": ["--steps", "2"],
-    "bench": ["--devices", "1,2", "--steps", "2", "--warmup", "1", "--rounds", "1", "--timeout", "120"],
+    # the 1-device baseline and 2 processes x 1 device; --processes 1,2 would add 1 process x 2 devices
+    "bench": ["--devices", "1,2", "--processes", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"],
 }
 
 # Commands that cannot run here, by their text (a line number would move with every edit above it), with the reason.
