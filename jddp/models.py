@@ -58,7 +58,7 @@ import numpy as np
 from flax import nnx
 
 from jddp import typing as jt
-from jddp.engine import reduce, varying
+from jddp.engine import reduce
 from jddp.runtime import state as state_lib
 
 
@@ -239,22 +239,13 @@ def eqx_loss(static, fn: Callable[[Any, Any, jt.Batch, Any], Any]) -> jt.LossFn:
 
     def loss_fn(params, model_state, batch, rng):
         model = eqx.nn.inference_mode(eqx.combine(params, static), False)
-        # ``State.set`` refuses a value whose type differs from the old one, and a value computed from this
-        # device's batch varies over "data" while the state passed in is replicated: the float leaves go in cast
-        # to varying, and those the model did not set come out as they went in (so they stay replicated).
-        given = jax.tree.leaves(model_state)
-        cast = [varying.varying(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in given]
-        out = fn(model, jax.tree.unflatten(jax.tree.structure(model_state), cast), batch, rng)
+        out = fn(model, model_state, batch, rng)
         if not isinstance(out, tuple) or len(out) not in (2, 3):
             raise TypeError(
                 "The function given to `eqx_loss` must return (loss, state) or (loss, state, metrics), got "
                 f"{type(out).__name__}."
             )
         loss, new_state, *metrics = out
-        leaves, treedef = jax.tree.flatten(new_state)
-        if len(leaves) == len(given):
-            kept = [g if n is c else n for g, c, n in zip(given, cast, leaves, strict=True)]
-            new_state = jax.tree.unflatten(treedef, kept)
         return loss, (new_state, metrics[0] if metrics else {})
 
     return loss_fn

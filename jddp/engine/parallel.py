@@ -180,7 +180,8 @@ class DataParallel:
         # and the batch; the key is not donated nor returned (it never changes),
         # and the metrics come back packed in one vector: fewer buffers per call.
         out_specs = (P(), P()) if out_state else P()
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=out_specs)
+        # check_vma=False: the user's code runs with pmap's semantics, as under plain jit (``jddp.engine.varying``).
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=out_specs, check_vma=False)
         out_shardings = (self._rep, self._rep) if out_state else self._rep
         return jax.jit(
             mapped,

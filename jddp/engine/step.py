@@ -22,7 +22,7 @@ from jax import lax
 from jddp import runtime
 from jddp import typing as jt
 from jddp.engine import checks, fused, reduce, varying
-from jddp.runtime import jax_internals, packing
+from jddp.runtime import packing
 from jddp.runtime import state as state_lib
 from jddp.runtime.layout import LeafLayout
 
@@ -45,11 +45,11 @@ class DeviceStep:
     names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def local_step(self, train: Train, rng: jax.Array, batch):
-        state, grads, model_state, sums = self._local(train, rng, batch)
+        state, grads, model_state, sums, state_varies = self._local(train, rng, batch)
         # The one all-reduce: gradients, loss/metric totals, counts and any
         # model state still varying, summed together (XLA emits one op; across CPU
         # processes `fused_psum` makes it one buffer per dtype, so one pass of the ring).
-        synced, varying_state, unflatten_state = varying.split_varying(model_state)
+        synced, varying_state, unflatten_state = varying.split_varying(model_state, state_varies)
         rows = leading_size(unpacked(batch))
         grads_sum, sums, synced_sum = self.psum((self._wire(grads, rows), sums, varying_state), DATA)
         grads_sum = self._unwire(grads_sum, rows)
@@ -64,8 +64,8 @@ class DeviceStep:
         read the same value on every device). Returns the stored-shape gradient slices, the sums, the synchronised
         model state and the squared global norm of the gradient sum; the update runs outside ``shard_map``
         (``jddp.engine.zero``)."""
-        _, grads, model_state, sums = self._local(train, rng, batch)
-        synced, varying_state, unflatten_state = varying.split_varying(model_state)
+        _, grads, model_state, sums, state_varies = self._local(train, rng, batch)
+        synced, varying_state, unflatten_state = varying.split_varying(model_state, state_varies)
         rows = leading_size(unpacked(batch))
         leaves, treedef = jax.tree.flatten(self._wire(grads, rows))
         split = [i for i, layout in enumerate(layouts) if layout.axis is not None]
@@ -91,17 +91,24 @@ class DeviceStep:
         return jax.tree.unflatten(treedef, out), sums, model_state, squares
 
     def _local(self, train: Train, rng: jax.Array, batch):
-        """This device's gradients of the loss total, its model state and its sums (loss, count, metrics)."""
+        """This device's gradients of the loss total, its model state, its sums (loss, count, metrics), and which
+        model-state leaves differ across devices (``varying.traced``: from the jaxpr, since the program runs with
+        ``check_vma=False``)."""
+        state = state_lib.TrainState(*train, rng)
+        args = (train, rng, batch)
+        (grads, model_state, sums), flags = varying.traced(self._device_grads, args, (False, False, True))
+        return state, grads, model_state, sums, flags[1]
+
+    def _device_grads(self, train: Train, rng: jax.Array, batch):
         state = state_lib.TrainState(*train, rng)
         batch = unpacked(batch)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         key = jax.random.fold_in(key, lax.axis_index(DATA))
-        params_v = jax.tree.map(varying.varying, state.params)
+        # The parameters as they are: under ``check_vma=False`` ``jax.grad`` gives this device's own gradient (no
+        # implicit ``psum``), which the one all-reduce then sums.
         if self.options.accumulate_steps == 1:
-            grads, model_state, sums = self._local_grads(params_v, state.model_state, batch, key)
-        else:
-            grads, model_state, sums = self._accumulate(params_v, state.model_state, batch, key)
-        return state, grads, model_state, sums
+            return self._local_grads(state.params, state.model_state, batch, key)
+        return self._accumulate(state.params, state.model_state, batch, key)
 
     def _narrow(self) -> bool:
         """Whether ``reduce_dtype`` is a float of narrow range (float16: 65504), where a sum of gradients over
@@ -184,8 +191,8 @@ class DeviceStep:
         dtype = reduce.sum_dtype(*(jnp.result_type(v) for v in metrics.values()))
         return jnp.stack([jnp.asarray(v, dtype) for v in metrics.values()])
 
-    def _local_grads(self, params_v, model_state, batch, key):
-        """Local gradient of the loss *total* and the local sums, all varying."""
+    def _local_grads(self, params, model_state, batch, key):
+        """Local gradient of the loss *total* and the local sums."""
         count = reduce.example_count(batch, leading_size(batch))
 
         def objective(params):
@@ -194,37 +201,24 @@ class DeviceStep:
             aux_w = {k: reduce.as_weighted(v, count, f"Metric {k!r} returned by `loss_fn`") for k, v in aux.items()}
             return loss_w.total, (loss_w, new_model_state, aux_w)
 
-        (_, (loss_w, new_model_state, aux_w)), grads = jax.value_and_grad(objective, has_aux=True)(params_v)
-        sums = (loss_w, count, aux_w)
-        return grads, new_model_state, jax.tree.map(varying.varying, sums)
+        (_, (loss_w, new_model_state, aux_w)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return grads, new_model_state, (loss_w, count, aux_w)
 
-    def _accumulate(self, params_v, model_state, batch, key):
-        """Sums local gradients over micro-batches in a scan: no collective inside."""
+    def _accumulate(self, params, model_state, batch, key):
+        """Sums local gradients over micro-batches in a scan: no collective inside. The model state is carried
+        from one micro-batch to the next, as a loop over them would."""
         k = self.options.accumulate_steps
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         first = jax.tree.map(lambda x: x[0], micro)
-        # The scan carries the model state. Float leaves are carried varying (batch statistics computed from the
-        # data); other leaves (an RNG stream's counter, a step count) stay as the loss_fn leaves them: invariant
-        # when computed from replicated values, else varying, and then refused by name (``split_varying``).
-        model_state = jax.tree.map(lambda x: varying.varying(x) if _inexact(x) else x, model_state)
-        shapes = jax.eval_shape(self._local_grads, params_v, model_state, first, key)
-        carried = [_inexact(x) or DATA in jax_internals.varying_axes(x) for x in jax.tree.leaves(shapes[1])]
-        zeros = jax.tree.map(lambda s: varying.varying(jnp.zeros(s.shape, s.dtype)), (shapes[0], shapes[2]))
-
-        def carry_state(ms):
-            leaves, treedef = jax.tree.flatten(ms)
-            return jax.tree.unflatten(
-                treedef, [varying.varying(x) if c else x for x, c in zip(leaves, carried, strict=True)]
-            )
-
-        model_state = carry_state(model_state)
+        shapes = jax.eval_shape(self._local_grads, params, model_state, first, key)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[2]))
 
         def body(carry, xs):
             grads_acc, ms, sums_acc = carry
             mb, i = xs
-            g, ms, s = self._local_grads(params_v, ms, mb, jax.random.fold_in(key, i))
+            g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i))
             add = functools.partial(jax.tree.map, jnp.add)
-            return (add(grads_acc, g), carry_state(ms), add(sums_acc, s)), None
+            return (add(grads_acc, g), ms, add(sums_acc, s)), None
 
         init = (zeros[0], model_state, zeros[1])
         (grads, model_state, sums), _ = lax.scan(body, init, (micro, jnp.arange(k)))
@@ -243,7 +237,7 @@ class DeviceStep:
         if not isinstance(metrics, dict):
             raise TypeError(f"`eval_fn` must return a dict of scalars, got {type(metrics).__name__}.")
         sums = {k: reduce.as_weighted(v, count, f"Metric {k!r}") for k, v in metrics.items()}
-        sums, examples = self.psum((jax.tree.map(varying.varying, sums), varying.varying(count)), DATA)
+        sums, examples = self.psum((sums, count), DATA)
         metrics = {k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}
         checks.check_metric_names(metrics, {"examples": examples})
         packed = self._pack("eval", {**metrics, "examples": examples})
@@ -260,10 +254,6 @@ def mean_of(grad_sum: jax.Array, dtype, scale: jax.Array) -> jax.Array:
 def unpacked(batch):
     """A ``PackedBatch`` (from ``jddp.data.DataLoader``) as its dict of arrays."""
     return packing.unpack(batch.data, batch.layout) if isinstance(batch, packing.PackedBatch) else batch
-
-
-def _inexact(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def leading_size(batch) -> int:

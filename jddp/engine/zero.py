@@ -94,6 +94,7 @@ def step_program(device: step_lib.DeviceStep, mesh: Mesh, opt: tuple[LeafLayout,
             mesh=mesh,
             in_specs=(P(), P(), P(DATA)),
             out_specs=(specs, P(), P(), P()),
+            check_vma=False,  # the user's code as under plain jit (``jddp.engine.varying``)
         )
         grads_sum, sums, new_model_state, squares = local((step, params, None, model_state), rng, batch)
         state = state_lib.TrainState(step, params, unpad(opt, opt_state), model_state, rng)
