@@ -338,3 +338,22 @@ def test_a_counter_inside_a_scan_over_the_batch_stays_replicated():
 def test_varying_outputs_of_each_kind_of_equation(name, fn, expected):
     closed = jax.make_jaxpr(fn, axis_env=[(jddp.DATA_AXIS, 8)])(jnp.ones(4))
     assert varying.varying_outputs(closed, [True], jddp.DATA_AXIS) == expected, name
+
+
+def test_an_error_in_user_code_shows_the_users_arrays_not_the_packed_batch():
+    """A batch from ``jddp.data.DataLoader`` travels packed in one ``uint8`` buffer; the note on an error in the
+    user's loss names the arrays the loss sees."""
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(64, SEQ, FEAT)).astype(np.float32), "y": np.zeros(64, np.int32)}
+    loader = jddp.data.DataLoader(data, global_batch_size=32, seed=0)
+    batch = next(iter(loader))
+
+    def loss_fn(params, model_state, batch, rng):
+        return xent(batch["x"] @ params["w"], batch), (model_state, {})  # x is [B, SEQ, FEAT]: a shape mistake
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(LR), mesh=jddp.data_mesh())
+    with pytest.raises(TypeError) as error:
+        dp.step(dp.init({"w": np.zeros((SEQ, OUT), np.float32)}, rng=0), batch)
+    note = "\n".join(getattr(error.value, "__notes__", []))
+    assert "['x']: float32[4, 6, 3], ['y']: int32[4]" in note, note
+    assert "uint8" not in note, note

@@ -12,6 +12,7 @@ import numpy as np
 
 from jddp import validate
 from jddp.engine import reduce
+from jddp.runtime import packing
 from jddp.runtime import state as state_lib
 
 MSG_LOSS_OUTPUT = (
@@ -245,6 +246,7 @@ def _user_code_note(fn, call: str, batch, params, num_devices: int, accumulate_s
     code = getattr(inner, "__code__", None)
     where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
     accumulated = f" and {accumulate_steps} accumulation steps" if accumulate_steps > 1 else ""
+    batch = described(batch)
     global_size = next((np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)), 0)
 
     def shapes(tree, per_device: bool, limit: int = 8) -> str:
@@ -265,3 +267,12 @@ def _user_code_note(fn, call: str, batch, params, num_devices: int, accumulate_s
         f"{num_devices} device(s){accumulated}), with params {shapes(params, False)}. Values are abstract there: "
         "Python `if`, `float()` or `.item()` on an array fail (use jnp.where or jax.lax.cond)."
     )
+
+
+def described(batch):
+    """The batch as the user's ``loss_fn`` sees it: a ``PackedBatch`` (from ``jddp.data.DataLoader``) as the dict
+    of its arrays' shapes and dtypes, not the packed ``uint8`` buffer it travels in."""
+    if not isinstance(batch, packing.PackedBatch):
+        return batch
+    rows = np.shape(batch.data)[0]
+    return {f.name: jax.ShapeDtypeStruct((rows, *f.shape), np.dtype(f.dtype)) for f in batch.layout}
