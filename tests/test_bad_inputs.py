@@ -8,6 +8,7 @@ checkpoint, runtime, launcher, config.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import typing
@@ -155,7 +156,9 @@ def a_file(env: Env):
 
 
 def launch_config(*argv: str):
-    return launch.config_from_args(launch.get_args_parser().parse_args(list(argv)))
+    parser = launch.get_args_parser()
+    parser.exit_on_error = False  # a value the option's type refuses: argparse's ArgumentError, not exit 2
+    return launch.config_from_args(parser.parse_args(list(argv)))
 
 
 def with_env(name: str, value: str, call: Callable[[], Any]):
@@ -807,20 +810,20 @@ CASES = [
     Case(
         "launch -n 0",
         lambda e: launch_config("-n", "0", __file__),
-        ValueError,
-        r"-n/--nprocs must be at least 1, got 0",
+        argparse.ArgumentError,
+        r"argument -n/--nprocs: must be an integer of at least 1, got '0'",
     ),
     Case(
         "launch --devices-per-process 0",
         lambda e: launch_config("--devices-per-process", "0", __file__),
-        ValueError,
-        r"--devices-per-process must be at least 1, got 0",
+        argparse.ArgumentError,
+        r"argument --devices-per-process: must be an integer of at least 1, got '0'",
     ),
     Case(
         "launch --max-restarts -1",
         lambda e: launch_config("--max-restarts", "-1", __file__),
-        ValueError,
-        r"--max-restarts must be 0 or more, got -1",
+        argparse.ArgumentError,
+        r"argument --max-restarts: must be an integer of 0 or more, got '-1'",
     ),
     Case(
         "launch --nnodes 2 without a coordinator",
@@ -843,14 +846,14 @@ CASES = [
     Case(
         "launch --kill-grace 0",
         lambda e: launch_config("--kill-grace", "0", __file__),
-        ValueError,
-        r"--kill-grace must be a positive number of seconds, got 0",
+        argparse.ArgumentError,
+        r"argument --kill-grace: must be positive and finite: a number of seconds, got '0'",
     ),
     Case(
         "launch --peer-timeout -5",
         lambda e: launch_config("--peer-timeout", "-5", __file__),
-        ValueError,
-        r"--peer-timeout must be a positive number of seconds, got -5",
+        argparse.ArgumentError,
+        r"argument --peer-timeout: must be positive and finite: a number of seconds, got '-5'",
     ),
     Case(
         "launch a missing script", lambda e: launch_config("trian.py"), ValueError, r"script 'trian.py' does not exist"

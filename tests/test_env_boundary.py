@@ -32,7 +32,7 @@ WRONG += (" ", "\t", " 7 ", "0x10", "1_0", "yes please", "truee", "2 3", "-", "+
 READS = ("get", "pop", "getenv")  # os.environ.get / .pop (its value used) / os.getenv
 # Reads of a JDDP_* variable not yet through envvars: the engine is being edited by others right now.
 # jddp/engine/parallel.py should read JDDP_TRANSPORT as envvars.get(ENV_TRANSPORT) (its declaration is there).
-NOT_YET_ROUTED = {("jddp/engine/parallel.py", "JDDP_TRANSPORT")}
+NOT_YET_ROUTED: set[tuple[str, str]] = set()
 
 
 # ----------------------------------------------------------------- (a) every variable of the source is declared

@@ -20,7 +20,16 @@ from tests import multiprocess
 PACKAGE = multiprocess.ROOT / "jddp"
 
 # Layer of each module, by the longest matching prefix; and what each layer may import.
-BOTTOM = ("jddp._version", "jddp.typing", "jddp.exitcodes", "jddp.validate", "jddp.net", "jddp.config", "jddp.lines")
+BOTTOM = (
+    "jddp._version",
+    "jddp.typing",
+    "jddp.exitcodes",
+    "jddp.validate",
+    "jddp.net",
+    "jddp.config",
+    "jddp.lines",
+    "jddp.envvars",
+)
 LAYERS = {
     **{name: "bottom" for name in BOTTOM},
     "jddp.runtime": "runtime",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -14,7 +13,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp import runtime
+from jddp import envvars, runtime
 from jddp import typing as jt
 from jddp.engine import checks, comm, fused, mpi, replicas, zero
 from jddp.engine import metrics as metrics_lib
@@ -147,7 +146,7 @@ class DataParallel:
             # Within one process, packing is the faster unless a large leaf would share the all-reduce with the
             # packed buffer (``jddp.engine.fused``): there every leaf goes alone.
             psum = (fused.fused_psum if several else fused.fused_psum_unless_large) if fuse_allreduce else lax.psum
-        transport = transport or os.environ.get(ENV_TRANSPORT) or "xla"  # pyright: ignore[reportAssignmentType]
+        transport = transport or envvars.get(ENV_TRANSPORT)  # pyright: ignore[reportAssignmentType]
         if transport not in ("xla", "mpi"):
             raise ValueError(
                 f"`transport` must be 'xla' (XLA's own collectives, gloo across processes on CPU) or 'mpi' "
