@@ -333,7 +333,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 ("weights.get(name, 0.0) + weight", 'weights.get(name, 0.0) + m["examples"]'),
             ),
         ),
-        (f"{L}::test_weighted_metrics_combine_exactly_across_batches",),
+        (
+            f"{L}::test_weighted_metrics_combine_exactly_across_batches",
+            f"{G}::test_evaluate_combines_batches_by_each_metrics_own_weight",
+        ),
     ),
     Mutant(
         "zero_norm_from_local_slices",
@@ -532,7 +535,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             _p(
                 "jddp.checkpoint.checkpointer:Checkpointer.restore_or_init",
-                ("if self.read_only and not (self.directory / str(step)).exists():", "if False:"),
+                ("if not self.read_only:\n            restore.set_aside", "if True:\n            restore.set_aside"),
             ),
         ),
         (f"{A}::test_read_only_leaves_a_damaged_step_in_place",),
@@ -601,8 +604,8 @@ MUTANTS: tuple[Mutant, ...] = (
             _p(
                 "jddp.checkpoint.checkpointer:Checkpointer.save",
                 (
-                    "        if wait:\n            self.wait()\n        return step\n",
-                    "        self.wait()\n        return step\n",
+                    "    if wait:\n        self.wait()\n    return step\n",
+                    "    self.wait()\n    return step\n",
                 ),
             ),
         ),
