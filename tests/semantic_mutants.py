@@ -506,7 +506,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 ("cleanup_tmp_directories=not read_only", "cleanup_tmp_directories=False"),
             ),
         ),
-        (f"{G}::test_an_unfinished_save_is_not_published_and_is_cleaned_up",),
+        (
+            f"{G}::test_an_unfinished_save_is_not_published_and_is_cleaned_up",
+            f"{C}::test_a_kill_during_an_async_save_leaves_the_previous_checkpoint",
+        ),
     ),
     Mutant(
         "damaged_steps_deleted",
@@ -593,7 +596,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 ("self.notice or _SIGTERM.is_set() or", "self.notice or"),
             ),
         ),
-        (f"{G}::test_a_sigterm_saves_the_step_at_the_next_maybe_save",),
+        (
+            f"{G}::test_a_sigterm_saves_the_step_at_the_next_maybe_save",
+            f"{C}::test_close_restores_sigterm_and_forgets_a_notice_it_acted_on",
+        ),
     ),
     Mutant(
         "save_waits_for_the_write",

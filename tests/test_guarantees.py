@@ -1,5 +1,7 @@
-"""Documented guarantees that no other test pinned down, each found by a semantic mutant that survived the suite
-(tests/semantic_mutants.py names the mutant each test kills; every test here was seen failing against it).
+"""Documented guarantees, each pinned down by a test seen failing against a semantic mutant (tests/semantic_mutants.py
+names it). Most of these mutants survived the rest of the suite; three did not (the unbounded dispatcher crashes
+test_engine.py's 400 steps, the kept tmp directories and the unread SIGTERM fail test_checkpoint.py tests), and their
+tests here check the guarantee directly.
 
 Run as a script (``python tests/test_guarantees.py replicas``) this file is the worker of the two-process test:
 it applies ``$JDDP_SEMANTIC_MUTANT`` itself, since a mutant applied in pytest's process does not reach another.
@@ -60,7 +62,8 @@ def test_a_finite_loss_with_an_infinite_gradient_skips_the_update(mesh):
 
 def test_the_dispatcher_keeps_at_most_max_inflight_steps_in_flight(mesh):
     """glossary.md: "one dispatcher that keeps at most `max_inflight` (2) steps ahead" (mutant
-    dispatch_unbounded: it never waits; on this machine 400 steps in flight did not yet abort XLA:CPU)."""
+    dispatch_unbounded: it never waits). tests/test_engine.py's 400 steps kill that mutant too, by an abort of
+    XLA:CPU that takes pytest's process with it; this test names the bound instead."""
     model_dp = jddp.DataParallel(square_loss, optax.sgd(0.01), mesh=mesh, max_inflight=2)
     state = model_dp.init({"w": np.ones((8,), np.float32)})
     batch = jax.device_put({"x": np.ones((64, 8), np.float32)}, jddp.batch_sharding(mesh))
