@@ -27,13 +27,14 @@ BatchNorm on batch statistics) and ``nnx_eval`` in eval mode, whatever mode the
 model was in when it was split. Linen modules take their mode as an argument
 of ``apply`` (``train=True``), which ``fn`` passes.
 
-Randomness: jddp's ``rng`` differs on every device and at every step. An NNX
+Randomness: jddp's ``rng`` differs at every step; with ``DataParallel(rng="example")`` (the default) each
+example's draws are those it would get on one device, on any device layout (``jddp.engine.rng``). An NNX
 model that holds ``nnx.Rngs`` (``nnx.Dropout(rate, rngs=rngs)``, the usual NNX
 style) keeps them: ``nnx_split`` stores their keys as raw key data in
 ``model_state`` (so that the state is arrays, broadcast, digested and saved like
 any other), and at every step ``nnx_loss`` replaces each stream's key by one
 drawn from jddp's ``rng`` and the stream's path, and its counter by 0. So every
-layer, device and step gets its own masks, a run is reproducible and resumes
+layer, example and step gets its own masks, a run is reproducible and resumes
 exactly, and the streams in ``model_state`` never change (they do not advance
 as a plain NNX loop's would: a per-device counter could not be kept replicated).
 A ``fn`` that uses ``rng`` itself must split it between layers: the same key
@@ -234,7 +235,8 @@ def eqx_split(model, state=None) -> tuple[Any, jt.Params, Any]:
 def eqx_loss(static, fn: Callable[[Any, Any, jt.Batch, Any], Any]) -> jt.LossFn:
     """A jddp ``loss_fn`` from ``fn(model, state, batch, key) -> (loss, state) | (loss, state, metrics)``, the model
     in training mode (``eqx.nn.inference_mode(model, False)``: dropout on, BatchNorm on batch statistics) whatever
-    mode it was split in. ``key`` differs on every device and step; split it between layers that draw."""
+    mode it was split in. ``key`` differs at every step; split it between layers that draw, and per example with
+    ``jax.random.split(key, rows)`` (each example then draws as on one device: ``DataParallel(rng=...)``)."""
     import equinox as eqx
 
     def loss_fn(params, model_state, batch, rng):

@@ -219,19 +219,26 @@ def test_replica_check_detects_a_difference(mesh):
         jddp.engine.replicas.assert_identical({"w": leaf})
 
 
-def test_rng_differs_per_device_and_step(mesh):
+@pytest.mark.parametrize("mode", ["device", "example"])
+def test_rng_differs_per_step_and_per_device_only_when_asked(mesh, mode):
+    """``rng="device"``: the classic key per device (the step and the device index folded in). ``rng="example"``
+    (the default): the same key on every device, so a draw that is not per example (a scalar here) is the same
+    on every device, as on one device."""
+
     def loss_fn(params, model_state, batch, rng):
         u = jax.random.uniform(rng)
         return jnp.mean(batch["x"]) * params["w"], (model_state, {"u": u, "u2": u * u})
 
-    dp = jddp.DataParallel(loss_fn, optax.sgd(0.0), mesh=mesh)
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.0), mesh=mesh, rng=mode)
     state = dp.init({"w": np.float32(1)}, rng=jax.random.key(42))
     base = jax.random.key(42)
     expected = []
     for step in range(2):
-        us = [float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(base, step), d))) for d in range(N)]
+        key = jax.random.fold_in(base, step)
+        us = [float(jax.random.uniform(jax.random.fold_in(key, d) if mode == "device" else key)) for d in range(N)]
         expected.append(np.mean(us))
-        assert len(set(us)) == N
+        assert len(set(us)) == (N if mode == "device" else 1)
+    assert expected[0] != expected[1]
     got = []
     for _ in range(2):
         state, metrics = dp.step(state, {"x": np.ones(16, np.float32)})

@@ -35,6 +35,7 @@ class Options:
     max_inflight: int
     fuse_allreduce: bool | None
     shard_optimizer: bool = False
+    rng: str = "example"
 
     def __post_init__(self):
         validate.check_int("accumulate_steps", self.accumulate_steps)
@@ -55,6 +56,11 @@ class Options:
             )
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"`shard_optimizer` must be True or False, got shard_optimizer={self.shard_optimizer!r}.")
+        if self.rng not in ("example", "device"):
+            raise ValueError(
+                f"`rng` must be 'example' (an example's random draws follow its place in the global batch) or "
+                f"'device' (one key per device), got rng={self.rng!r}."
+            )
 
 
 def check_call(dp, state, batch) -> None:

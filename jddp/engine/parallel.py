@@ -92,6 +92,14 @@ class DataParallel:
         mpi4jax, the ``jddp[mpi]`` extra; one device per process, processes
         started by MPI's launcher: ``jddp.engine.mpi``). ``None``:
         ``$JDDP_TRANSPORT`` (set by ``jddp launch --transport``), else ``"xla"``.
+      rng: how ``loss_fn``'s ``rng`` is made on each device. ``"example"``:
+        the same key on every device (the seed and the step folded in), and
+        every draw whose leading axis is the batch's (dropout masks, noise,
+        ``jax.random.split(rng, rows)``) is the one the example would get on
+        one device, whatever the number of devices or processes
+        (``jddp.engine.rng``). ``"device"``: the classic key per device
+        (``axis_index`` folded in), cheaper by the random bits of the other
+        devices' rows, but the training then depends on the device layout.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
@@ -122,6 +130,7 @@ class DataParallel:
         fuse_allreduce: bool | None = None,
         shard_optimizer: bool = False,
         transport: Literal["xla", "mpi"] | None = None,
+        rng: Literal["example", "device"] = "example",
     ):
         distributed.check_joined()
         if not callable(loss_fn):
@@ -134,7 +143,7 @@ class DataParallel:
             )
         self.options = checks.Options(
             accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce,
-            shard_optimizer,
+            shard_optimizer, rng,
         )  # fmt: skip
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
         self.num_devices = mesh.shape[DATA]

@@ -22,6 +22,7 @@ from jax import lax
 from jddp import runtime
 from jddp import typing as jt
 from jddp.engine import checks, fused, reduce, varying
+from jddp.engine import rng as rng_lib
 from jddp.runtime import packing
 from jddp.runtime import state as state_lib
 from jddp.runtime.layout import LeafLayout
@@ -102,13 +103,25 @@ class DeviceStep:
     def _device_grads(self, train: Train, rng: jax.Array, batch):
         state = state_lib.TrainState(*train, rng)
         batch = unpacked(batch)
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        key = jax.random.fold_in(key, lax.axis_index(DATA))
+        key = self._key(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
         # The parameters as they are: under ``check_vma=False`` ``jax.grad`` gives this device's own gradient (no
         # implicit ``psum``), which the one all-reduce then sums.
         if self.options.accumulate_steps == 1:
             return self._local_grads(state.params, state.model_state, batch, key)
         return self._accumulate(state.params, state.model_state, batch, key)
+
+    def _key(self, key: jax.Array) -> jax.Array:
+        """The key ``loss_fn`` gets on this device: the same everywhere with ``rng="example"`` (its per-example
+        draws are then made for the global batch: ``_loss``), else this device's own."""
+        return key if self.options.rng == "example" else jax.random.fold_in(key, lax.axis_index(DATA))
+
+    def _loss(self, fn, batch):
+        """``fn`` (the loss or eval function) for this device's ``batch``: with ``rng="example"``, each draw along
+        the batch's leading axis is the one its examples get on one device (``jddp.engine.rng``)."""
+        if self.options.rng != "example":
+            return fn
+        rows = leading_size(batch)
+        return rng_lib.per_example(fn, rows, rows * self.num_devices)
 
     def _narrow(self) -> bool:
         """Whether ``reduce_dtype`` is a float of narrow range (float16: 65504), where a sum of gradients over
@@ -196,7 +209,8 @@ class DeviceStep:
         count = reduce.example_count(batch, leading_size(batch))
 
         def objective(params):
-            loss, (new_model_state, aux) = checks.unpack_loss(self.loss_fn(params, model_state, batch, key))
+            loss_fn = self._loss(self.loss_fn, batch)
+            loss, (new_model_state, aux) = checks.unpack_loss(loss_fn(params, model_state, batch, key))
             loss_w = reduce.as_weighted(loss, count, "The loss returned by `loss_fn`")
             aux_w = {k: reduce.as_weighted(v, count, f"Metric {k!r} returned by `loss_fn`") for k, v in aux.items()}
             return loss_w.total, (loss_w, new_model_state, aux_w)
@@ -229,8 +243,9 @@ class DeviceStep:
         batch = unpacked(batch)
         count = reduce.example_count(batch, leading_size(batch))
         if self.eval_fn is None:
-            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), lax.axis_index(DATA))
-            loss, (_, aux) = checks.unpack_loss(self.loss_fn(state.params, state.model_state, batch, key))
+            key = self._key(jax.random.wrap_key_data(state.rng))
+            loss_fn = self._loss(self.loss_fn, batch)
+            loss, (_, aux) = checks.unpack_loss(loss_fn(state.params, state.model_state, batch, key))
             metrics = {"loss": loss, **aux}
         else:
             metrics = self.eval_fn(state.params, state.model_state, batch)
