@@ -14,8 +14,21 @@ configs check every value against the field's type (``"3"`` becomes ``3`` for
 an ``int`` field, ``3.5`` does not). Unknown keys, wrong types, a missing or
 unreadable file and a malformed override raise ``ConfigError`` naming the key,
 the value, the expected type and where it came from (the file, or "command
-line"). This module imports no JAX, so a bad config fails in a fraction of a
-second, before devices, processes or compilation.
+line"); no OmegaConf exception (``ValidationError``, ``ConfigKeyError``, ...) and
+no YAML error reaches the caller. This module imports no JAX, so a bad config
+fails in a fraction of a second, before devices, processes or compilation.
+
+Field types: ``int``, ``float``, ``bool``, ``str``, an ``Enum`` (a member's
+name, or its value), ``Literal[...]``, a nested dataclass, ``list``/``tuple``/
+``dict`` of those, and ``X | None`` / ``Optional[X]`` of any of them. A field
+with a non-Optional type and a ``None`` default (minGPT's ``block_size: int =
+None``) is read as ``int | None``: the dataclass itself holds None there, so the
+config does too.
+
+None is spelled as in YAML: ``key=null`` (or ``~``, or an empty ``key=``) on the
+command line, ``key: null`` in a file. The Python spelling ``None`` is the string
+``"None"``: the value of a ``str`` field, and a ``ConfigError`` (that says to
+write ``null``) for any other type. ``nan``, ``inf`` are floats.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -99,7 +112,7 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
     overrides = []
     for arg in argv:
         key, sep, value = str(arg).partition("=")
-        if not sep or not key.strip() or key != key.strip():
+        if not sep or not key.strip() or key != key.strip() or "" in key.split("."):
             raise ConfigError(
                 f"Malformed argument {arg!r} on the {COMMAND_LINE}: expected `key=value` (e.g. `epochs=10`, "
                 f"`model.hidden=128`, or `{FILE_KEY}=path/to/file.yaml`)."
@@ -107,20 +120,32 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
         if key == FILE_KEY:
             path = value
         else:
+            _check_readable(schema, key, value)
             overrides.append(arg)
-    merged = OmegaConf.structured(schema)
+    merged = _structured(schema)
     if path is not None:
         merged = _merge(schema, merged, _load(path), source=str(path))
     if overrides:
         merged = _merge(schema, merged, OmegaConf.from_dotlist(overrides), source=COMMAND_LINE)
     try:
-        instance = OmegaConf.to_object(merged)
+        instance = _convert(OmegaConf.to_object(merged), _ORIGINALS)
     except oc_errors.MissingMandatoryValue as error:
         key = error.full_key
         assert key is not None  # OmegaConf raises it through format_and_raise, which always sets full_key
         raise ConfigError(
             f"Config key `{key}` has no value (expected {_expected(schema, key)}); set it in the YAML file "
             f"or on the {COMMAND_LINE} as `{key}=...`."
+        ) from None
+    except oc_errors.OmegaConfBaseException as error:  # an interpolation (`${...}`) that cannot be resolved
+        cause = error.__cause__
+        if not isinstance(cause, oc_errors.OmegaConfBaseException) and isinstance(cause, ValueError | TypeError):
+            raise ConfigError(  # the schema's __post_init__, called by OmegaConf
+                f"{schema.__name__} rejected the config ({_sources(path, overrides)}): {cause}"
+            ) from None
+        key = error.full_key or "?"
+        raise ConfigError(
+            f"Config key `{key}` ({_sources(path, overrides)}) cannot be resolved: {_first_line(error)}. "
+            f"Give `{key}` a plain value (interpolations `${{...}}` must name an existing key)."
         ) from None
     except (ValueError, TypeError) as error:  # raised by the schema's own __post_init__
         raise ConfigError(f"{schema.__name__} rejected the config ({_sources(path, overrides)}): {error}") from None
@@ -138,7 +163,7 @@ def _check_containers(schema: type, instance: Any, prefix: str, path, overrides:
     OmegaConf checks a typed container's values when they are scalars, but takes a mapping or a list for a scalar
     ``V`` (``counts.a.b=1`` under ``counts: dict[str, int]`` gives ``{"a": {"b": 1}}``).
     """
-    hints = typing.get_type_hints(schema)
+    hints = _hints(schema)
     for field in dataclasses.fields(schema):
         value, kind = getattr(instance, field.name), hints.get(field.name)
         key = f"{prefix}{field.name}"
@@ -185,11 +210,127 @@ def save(config: Any, path: str | os.PathLike) -> None:
 # --------------------------------------------------------------------- helpers
 
 
+def _allows_none(t: Any) -> bool:
+    if t is Any or t is type(None):
+        return True
+    is_union = isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union
+    return is_union and type(None) in typing.get_args(t)
+
+
+def _hints(schema: type) -> dict[str, Any]:
+    """The fields' types, with a None default making a type Optional (``n: int = None`` is ``n: int | None``)."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if f.default is None and f.name in hints and not _allows_none(hints[f.name]):
+            hints[f.name] = typing.Optional[hints[f.name]]  # noqa: UP045  the type is a value here, not syntax
+    return hints
+
+
+# A schema whose fields (or nested dataclasses' fields) have a non-Optional type and a None default goes to
+# OmegaConf as a copy with those types made Optional (OmegaConf refuses the None default otherwise); the copy's
+# instances are turned back into the schema's, whose __post_init__ then runs. Other schemas go as they are.
+_COPIES: dict[type, type] = {}  # schema -> the copy OmegaConf gets (the schema itself when none is needed)
+_ORIGINALS: dict[type, type] = {}  # copy -> schema
+
+
+def _with_copies(t: Any) -> Any:
+    """``t`` with every dataclass in it replaced by its copy (``t`` itself when nothing changes)."""
+    if isinstance(t, type) and dataclasses.is_dataclass(t):
+        return _copy(t)
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is None or not args or origin is Literal:
+        return t
+    new = tuple(a if a is Ellipsis else _with_copies(a) for a in args)
+    if all(a is b for a, b in zip(new, args, strict=True)):
+        return t
+    if origin is typing.Union or origin is types.UnionType:
+        return typing.Union[new]  # noqa: UP007  built from a tuple of types
+    return origin[new]  # list, dict, tuple and their typing/collections.abc forms
+
+
+def _copy(schema: type) -> type:
+    if schema in _COPIES:
+        return _COPIES[schema]
+    _COPIES[schema] = schema  # a schema that refers to itself is left as it is there
+    hints, plain = _hints(schema), typing.get_type_hints(schema)
+    specs, changed = [], False
+    for f in dataclasses.fields(schema):
+        if not f.init:
+            continue
+        t = _with_copies(hints[f.name])
+        changed = changed or t is not plain[f.name]
+        if f.default is not dataclasses.MISSING:
+            is_instance = dataclasses.is_dataclass(f.default) and not isinstance(f.default, type)
+            field = (
+                dataclasses.field(
+                    default_factory=lambda d=f.default: _convert(d, _COPIES)  # the copy's default, never shared
+                )
+                if is_instance
+                else dataclasses.field(default=f.default)
+            )
+        elif f.default_factory is not dataclasses.MISSING:
+            field = dataclasses.field(default_factory=lambda make=f.default_factory: _convert(make(), _COPIES))
+        else:
+            field = dataclasses.field()
+        specs.append((f.name, t, field))
+    if changed:
+        copy = dataclasses.make_dataclass(schema.__name__, specs)
+        copy.__module__, copy.__qualname__ = schema.__module__, schema.__qualname__
+        _COPIES[schema], _ORIGINALS[copy] = copy, schema
+    return _COPIES[schema]
+
+
+def _convert(value: Any, classes: dict[type, type]) -> Any:
+    """``value`` with each dataclass instance of a class in ``classes`` rebuilt as the class it maps to."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        target = classes.get(type(value), type(value))
+        items = {f.name: _convert(getattr(value, f.name), classes) for f in dataclasses.fields(value) if f.init}
+        return value if target is type(value) and all(items[k] is getattr(value, k) for k in items) else target(**items)
+    if isinstance(value, list):
+        return [_convert(v, classes) for v in value]
+    if type(value) is tuple:
+        return tuple(_convert(v, classes) for v in value)
+    if isinstance(value, dict):
+        return {k: _convert(v, classes) for k, v in value.items()}
+    return value
+
+
+def _structured(schema: type) -> DictConfig:
+    """``OmegaConf.structured(schema)``; a field OmegaConf cannot hold is a ConfigError naming it."""
+    try:
+        return OmegaConf.structured(_copy(schema))
+    except oc_errors.OmegaConfBaseException as error:
+        key = error.full_key or "?"
+        raise ConfigError(
+            f"The field `{key}` of {schema.__name__} cannot be a config field: {_first_line(error)}. Give it a "
+            "type jddp.config checks (int, float, bool, str, an Enum, a Literal, a dataclass, a list, tuple or dict "
+            "of those, or any of them | None) and a default of that type, or the type Any (not checked)."
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0].rstrip(".") if str(error) else type(error).__name__
+
+
+def _check_readable(schema: type, key: str, value: str) -> None:
+    """A ConfigError naming ``key`` when the value of ``key=value`` is not readable as YAML or as OmegaConf's
+    interpolation grammar (``[1``, ``${``, ``*x``)."""
+    try:
+        OmegaConf.from_dotlist([f"{key}={value}"])
+    except (yaml.YAMLError, oc_errors.OmegaConfBaseException) as error:
+        raise ConfigError(
+            f"Config key `{key}` on the {COMMAND_LINE} has a value that cannot be read: {key}={value!r} "
+            f"({_first_line(error)}). Expected {_expected(schema, key)}; quote a string that YAML would read "
+            f'otherwise (`{key}="..."`).'
+        ) from None
+
+
 def _as_omegaconf(config: Any) -> DictConfig:
     if isinstance(config, DictConfig):
         return config
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return OmegaConf.structured(config)
+        _copy(type(config))  # a field `n: int = None` holds None as `n: int | None` does
+        return OmegaConf.structured(_convert(config, _COPIES))
     if isinstance(config, Mapping):
         return OmegaConf.create(dict(config))
     raise TypeError(f"`config` must be a dataclass instance, an OmegaConf config or a mapping, got {type(config)!r}.")
@@ -207,6 +348,11 @@ def _load(path: str | os.PathLike) -> DictConfig:
     except yaml.YAMLError as error:
         raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {error}") from None
     except oc_errors.OmegaConfBaseException as error:  # valid YAML that is no config, e.g. a `null:` key
+        if error.full_key:  # a value OmegaConf cannot read, e.g. a broken interpolation `${`
+            raise ConfigError(
+                f"Config key `{error.full_key}` in {str(path)!r} has a value that cannot be read: "
+                f"{_first_line(error)}. Quote a string that holds `${{`, or fix the interpolation."
+            ) from None
         raise ConfigError(
             f"Config file {str(path)!r} cannot be read as a config: {str(error).splitlines()[0]}. Keys must be "
             "names (strings), as the fields of the config are."
@@ -236,10 +382,24 @@ def _merge(schema: type, base: DictConfig, other: DictConfig, *, source: str) ->
             value = _get(other, key)
         raise ConfigError(
             f"Config key `{key}` {where} has a value of the wrong type: {key}={value!r} "
-            f"({_type_name(value)}), expected {_expected(schema, key)}."
+            f"({_type_name(value)}), expected {_expected(schema, key)}.{_none_hint(schema, key, value)}"
         ) from None
     assert isinstance(merged, DictConfig)  # a mapping merged into a DictConfig stays a DictConfig
     return merged
+
+
+def _none_hint(schema: type, key: str, value: Any) -> str:
+    """What to write for None: ``null`` (not ``None``), and only in an Optional field."""
+    if isinstance(value, str) and value.strip() in ("None", "none"):
+        return f" None is spelled `{key}=null` (YAML's spelling; `None` is a string)."
+    t = _field_type(schema, key)
+    if value is None and t is not None and not _allows_none(t):
+        empty = f" (an empty `{key}=` is None; `{key}=''` is the empty string)" if t is str else ""
+        return (
+            f" `{key}` is not Optional: give it a value, or declare it "
+            f"`{_expected(schema, key)} | None` in {schema.__name__}{empty}."
+        )
+    return ""
 
 
 def _first_bad_key(base: DictConfig, cfg: DictConfig) -> str:
@@ -307,7 +467,7 @@ def _field_type(schema: type, key: str) -> Any:
             continue
         if not dataclasses.is_dataclass(current):
             return None
-        hints = typing.get_type_hints(current)
+        hints = _hints(current)
         if part not in hints:
             return None
         current = hints[part]
