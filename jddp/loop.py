@@ -52,7 +52,7 @@ from jddp import exitcodes, goodput, logs, validate
 from jddp.data import loader as loader_lib
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import parallel
-from jddp.runtime import progress
+from jddp.runtime import distributed, progress
 from jddp.runtime import state as state_lib
 
 CONFIG_FILE = "config.yaml"
@@ -152,6 +152,7 @@ def fit(
       SystemExit: ``EXIT_PREEMPTED`` (75) after a preemption save.
     """
     _check_args(dp, state, train_loader, eval_loader, checkpointer)
+    distributed.announce_topology()  # said once per run; here for a mesh not built by data_mesh
     total = _total_steps(epochs, steps, len(train_loader))
     validate.check_int("eval_every", eval_every, optional=True)
     validate.check_int("log_every", log_every, optional=True)

@@ -39,11 +39,17 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def info(simulate_devices: int | None = None) -> str:
-    """The environment as jddp sees it, one ``key: value`` per line."""
+    """The environment as jddp sees it, one ``key: value`` per line.
+
+    ``simulate_devices`` defaults to ``$JDDP_LOCAL_DEVICES`` (what ``jddp launch --devices-per-process`` sets), so
+    that ``jddp info`` under the launcher's variables reports the devices a script would get."""
     import jax
 
     from jddp import runtime
+    from jddp.runtime import distributed
 
+    if simulate_devices is None:  # the launcher's JDDP_LOCAL_DEVICES, as jddp.initialize applies it
+        simulate_devices = envvars.get(distributed.ENV_LOCAL_DEVICES)
     if simulate_devices is not None:
         runtime.simulate_cpu_devices(simulate_devices)
     rows = {
@@ -55,6 +61,7 @@ def info(simulate_devices: int | None = None) -> str:
         "local_devices": jax.local_device_count(),
         "global_devices": jax.device_count(),
         "devices": ", ".join(str(d) for d in jax.local_devices()),
+        "topology": distributed.topology_line().removeprefix("jddp: "),
     }
     return "\n".join(f"{k}: {v}" for k, v in rows.items())
 
@@ -76,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = get_args_parser()
     args = parser.parse_args(argv)
     if args.command == "info":
-        print(info(args.simulate_devices))
+        try:
+            print(info(args.simulate_devices))
+        except ValueError as error:  # a malformed $JDDP_LOCAL_DEVICES, named by jddp.envvars
+            print(f"jddp info: {error}", file=sys.stderr)
+            return 2
         return 0
     parser.print_help()
     return 2

@@ -97,6 +97,7 @@ def data_mesh(
     if not devices:
         raise ValueError("`devices` is empty; pass at least one device or None for all.")
     devices.sort(key=lambda d: (d.process_index, d.id))
+    distributed.announce_topology()  # once per run: a script that never calls initialize still says where it runs
     return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
 
 
