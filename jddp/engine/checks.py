@@ -36,6 +36,9 @@ class Options:
     fuse_allreduce: bool | None
     shard_optimizer: bool = False
     rng: str = "example"
+    grad_hook: Any = None
+    local_metrics: bool = False
+    compute_dtype: Any = None
 
     def __post_init__(self):
         validate.check_int("accumulate_steps", self.accumulate_steps)
@@ -56,6 +59,20 @@ class Options:
             )
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"`shard_optimizer` must be True or False, got shard_optimizer={self.shard_optimizer!r}.")
+        if self.grad_hook is not None and not callable(self.grad_hook):
+            raise TypeError(
+                f"`grad_hook` must be a function (grads, params) -> grads or (grads, metrics), or None, got "
+                f"{type(self.grad_hook).__name__}."
+            )
+        if not isinstance(self.local_metrics, bool):
+            raise ValueError(f"`local_metrics` must be True or False, got local_metrics={self.local_metrics!r}.")
+        if self.compute_dtype is not None and not (
+            isinstance(self.compute_dtype, type | np.dtype | str) and jnp.issubdtype(self.compute_dtype, jnp.floating)
+        ):
+            raise ValueError(
+                "`compute_dtype` must be a float dtype such as jnp.bfloat16 (the forward and backward pass in it, "
+                f"params and optimizer state kept in theirs) or None, got compute_dtype={self.compute_dtype!r}."
+            )
         if self.rng not in ("example", "device"):
             raise ValueError(
                 f"`rng` must be 'example' (an example's random draws follow its place in the global batch) or "
@@ -178,6 +195,20 @@ def describe(x) -> str:
             hint += "passed in unchanged if the model has none)"
         return f"a tuple of {len(x)} ({inner}{', ...' if len(x) > 3 else ''}){hint}"
     return f"{type(x).__name__} {getattr(x, 'shape', '')}".strip()
+
+
+def unpack_hook(out, grads) -> tuple[Any, dict]:
+    """``grad_hook``'s result as (grads, metrics): the same tree as ``grads``, and a dict of scalars."""
+    new, metrics = out if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else (out, {})
+    if jax.tree.structure(new) != jax.tree.structure(grads):
+        raise TypeError(
+            "`grad_hook` must return the gradients as it got them (a tree of the params' structure), or "
+            f"(grads, metrics); got a tree {jax.tree.structure(new)} for {jax.tree.structure(grads)}."
+        )
+    for name, value in metrics.items():
+        if jnp.shape(value) != ():
+            raise ValueError(f"`grad_hook`'s metric {name!r} must be a scalar, got shape={jnp.shape(value)}.")
+    return new, metrics
 
 
 def check_metric_names(user: dict, builtin: dict) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
@@ -100,6 +100,20 @@ class DataParallel:
         (``jddp.engine.rng``). ``"device"``: the classic key per device
         (``axis_index`` folded in), cheaper by the random bits of the other
         devices' rows, but the training then depends on the device layout.
+      grad_hook: what PyTorch users write between ``backward()`` and
+        ``optimizer.step()``: ``grad_hook(grads, params) -> grads`` or
+        ``(grads, metrics)``, called inside the step with the averaged (and
+        clipped) gradient, identical on every replica; the gradients it
+        returns feed the optimizer, and its scalar metrics join the step's.
+        The non-finite guard and ``grad_norm`` read the gradient before it.
+      local_metrics: also report each device's own loss and gradient norm
+        (means over its real examples) as ``local_loss/<i>`` and
+        ``local_grad_norm/<i>`` for device ``i``: carried in the one
+        all-reduce (2N scalars), for debugging a device whose data differs.
+      compute_dtype: mixed precision (``torch.autocast``): the forward and
+        backward pass run with the float params and batch arrays cast to this
+        dtype (``jnp.bfloat16``); params, gradients and optimizer state stay
+        in the params' dtype. ``None`` computes in the params' dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
@@ -131,6 +145,9 @@ class DataParallel:
         shard_optimizer: bool = False,
         transport: Literal["xla", "mpi"] | None = None,
         rng: Literal["example", "device"] = "example",
+        grad_hook: Callable | None = None,
+        local_metrics: bool = False,
+        compute_dtype: Any = None,
     ):
         distributed.check_joined()
         if not callable(loss_fn):
@@ -143,7 +160,7 @@ class DataParallel:
             )
         self.options = checks.Options(
             accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce,
-            shard_optimizer, rng,
+            shard_optimizer, rng, grad_hook, local_metrics, compute_dtype,
         )  # fmt: skip
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
         self.num_devices = mesh.shape[DATA]

@@ -52,6 +52,7 @@ class DeviceStep:
         # processes `fused_psum` makes it one buffer per dtype, so one pass of the ring).
         synced, varying_state, unflatten_state = varying.split_varying(model_state, state_varies)
         rows = leading_size(unpacked(batch))
+        sums = self._with_local(sums, grads)
         grads_sum, sums, synced_sum = self.psum((self._wire(grads, rows), sums, varying_state), DATA)
         grads_sum = self._unwire(grads_sum, rows)
         model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
@@ -68,6 +69,7 @@ class DeviceStep:
         _, grads, model_state, sums, state_varies = self._local(train, rng, batch)
         synced, varying_state, unflatten_state = varying.split_varying(model_state, state_varies)
         rows = leading_size(unpacked(batch))
+        sums = self._with_local(sums, grads)
         leaves, treedef = jax.tree.flatten(self._wire(grads, rows))
         split = [i for i, layout in enumerate(layouts) if layout.axis is not None]
         padded = [layouts[i].pad(leaves[i]) for i in split]
@@ -109,6 +111,22 @@ class DeviceStep:
         if self.options.accumulate_steps == 1:
             return self._local_grads(state.params, state.model_state, batch, key)
         return self._accumulate(state.params, state.model_state, batch, key)
+
+    def _with_local(self, sums, grads):
+        """``sums`` with, when ``local_metrics`` is on, this device's own loss and gradient norm (means over its
+        real examples) written at its index of two length-N vectors: summed in the one all-reduce, every device
+        receives every device's values (a few bytes more, no other collective)."""
+        loss_w, count, aux = sums
+        if not self.options.local_metrics:
+            return loss_w, count, aux, {}
+        weight = jnp.where(loss_w.weight > 0, loss_w.weight, 1)
+        here = lax.axis_index(DATA)
+        values = {"local_loss": loss_w.total / weight, "local_grad_norm": optax.tree.norm(grads) / weight}
+        return loss_w, count, aux, {k: jnp.zeros(self.num_devices, v.dtype).at[here].set(v) for k, v in values.items()}
+
+    def _cast(self, tree):
+        dtype = self.options.compute_dtype
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
     def _key(self, key: jax.Array) -> jax.Array:
         """The key ``loss_fn`` gets on this device: the same everywhere with ``rng="example"`` (its per-example
@@ -154,7 +172,7 @@ class DeviceStep:
         """
         place = place or (lambda tree: tree)
         opts = self.options
-        loss_w, examples, aux = sums
+        loss_w, examples, aux, local = sums
         loss = reduce.safe_divide(loss_w.total, loss_w.weight)
         # The mean is taken in float32, or float64 when a parameter is float64 (bf16/f16 parameters: float32).
         mean_dtype = reduce.sum_dtype(*(p.dtype for p in jax.tree.leaves(state.params)))
@@ -168,6 +186,13 @@ class DeviceStep:
             metrics["grad_norm"] = grad_norm = norm * scale
         if opts.clip_grad_norm is not None:
             scale = scale * jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
+
+        hooked = {}
+        if opts.grad_hook is not None:
+            # The mean gradient formed here, before the branch, for the user's hook (it then feeds the update).
+            grads_sum = jax.tree.map(lambda s, p: mean_of(s, p.dtype, scale), grads_sum, state.params)
+            grads_sum, hooked = checks.unpack_hook(opts.grad_hook(grads_sum, state.params), grads_sum)
+            scale = jnp.ones((), mean_dtype)
 
         def update(operands):
             grads_sum, params, opt_state, model_state, _ = operands
@@ -191,6 +216,10 @@ class DeviceStep:
         params, opt_state, model_state = lax.cond(take, update, skip, operands)
         checks.check_metric_names(aux, metrics)
         metrics.update({k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()})
+        checks.check_metric_names(hooked, metrics)
+        metrics.update(hooked)
+        for name, vector in local.items():  # every device's own value, by device index
+            metrics.update({f"{name}/{i}": vector[i] for i in range(self.num_devices)})
         # Each mean's weight follows the values (as eval's do), so that means over many steps are exact for a
         # ``Weighted`` loss or metric too (tokens, not examples): ``RunningMeans``.
         weights = {"loss": loss_w.weight, **{k: w.weight for k, w in aux.items()}}
@@ -210,7 +239,10 @@ class DeviceStep:
 
         def objective(params):
             loss_fn = self._loss(self.loss_fn, batch)
-            loss, (new_model_state, aux) = checks.unpack_loss(loss_fn(params, model_state, batch, key))
+            # compute_dtype: the float params and batch arrays cast for the forward and backward pass; the cast's
+            # transpose gives the gradient back in the parameters' own dtype.
+            p, b = (params, batch) if self.options.compute_dtype is None else self._cast((params, batch))
+            loss, (new_model_state, aux) = checks.unpack_loss(loss_fn(p, model_state, b, key))
             loss_w = reduce.as_weighted(loss, count, "The loss returned by `loss_fn`")
             aux_w = {k: reduce.as_weighted(v, count, f"Metric {k!r} returned by `loss_fn`") for k, v in aux.items()}
             return loss_w.total, (loss_w, new_model_state, aux_w)

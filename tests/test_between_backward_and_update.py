@@ -1,0 +1,91 @@
+"""What PyTorch users write between ``backward()`` and ``optimizer.step()``, and AMP's autocast, in jddp.
+
+``grad_hook`` sees the averaged gradient (checked against one device's gradient of the whole batch), its result
+feeds the optimizer and its metrics join the step's; ``local_metrics`` reports each device's own loss and gradient
+norm through the one all-reduce; ``compute_dtype`` runs the forward and backward pass in bfloat16 with float32
+parameters, gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from tests import models
+
+N = 8
+
+
+def setup(**options):
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(), **options)
+    return model, dp, dp.init(model.params, rng=0)
+
+
+def test_grad_hook_sees_the_averaged_gradient_and_its_result_feeds_the_update():
+    b = models.batch(64)
+    seen = {}
+
+    def hook(grads, params):
+        seen["tree"] = jax.tree.structure(grads)
+        return jax.tree.map(lambda g: 2.0 * g, grads), {"hook_norm": optax.tree.norm(grads)}
+
+    model, dp, state = setup(grad_hook=hook)
+    new, metrics = dp.step(state, b)
+    grads = jax.grad(lambda p: model.ref_loss_fn(p, {}, b, None)[0])(model.params)
+    assert abs(metrics["hook_norm"] - float(optax.tree.norm(grads))) < 1e-5  # the mean over the global batch
+    expected = jax.tree.map(lambda p, g: p - 0.1 * 2.0 * g, model.params, grads)  # doubled by the hook
+    assert models.max_diff(jddp.models.to_host(new.params), expected) < 1e-6
+    assert seen["tree"] == jax.tree.structure(model.params)
+
+
+def test_grad_hook_must_return_the_gradients_tree():
+    _, dp, state = setup(grad_hook=lambda g, p: jax.tree.leaves(g))
+    with pytest.raises(TypeError, match=r"`grad_hook` must return the gradients as it got them"):
+        dp.step(state, models.batch(64))
+    with pytest.raises(TypeError, match=r"`grad_hook` must be a function .* got int"):
+        setup(grad_hook=3)
+
+
+def test_local_metrics_report_each_devices_own_loss_in_the_one_all_reduce():
+    b = models.batch(64)
+    model, dp, state = setup(local_metrics=True)
+    report = dp.comm_report(state, b)
+    _, metrics = dp.step(state, b)
+    rows = 64 // N
+    for i in range(N):
+        part = {k: v[i * rows : (i + 1) * rows] for k, v in b.items()}
+        loss, _ = model.ref_loss_fn(model.params, {}, part, None)
+        grads = jax.grad(lambda p, part=part: model.ref_loss_fn(p, {}, part, None)[0])(model.params)
+        assert abs(metrics[f"local_loss/{i}"] - float(loss)) < 1e-5, i
+        assert abs(metrics[f"local_grad_norm/{i}"] - float(optax.tree.norm(grads))) < 1e-5, i
+    assert np.mean([metrics[f"local_loss/{i}"] for i in range(N)]) == pytest.approx(metrics["loss"], abs=1e-6)
+    assert report.count("all-reduce") == 1
+
+
+def test_compute_dtype_bfloat16_computes_in_bfloat16_and_keeps_float32_state():
+    b = models.batch(64)
+    _, dp32, state32 = setup()
+    _, dp16, state16 = setup(compute_dtype=jnp.bfloat16)
+
+    def hlo(dp, state):
+        return dp._step.lower(*dp._args(state, jax.device_put(b, dp._batch))).as_text()
+
+    assert "bf16" in hlo(dp16, state16) and "bf16" not in hlo(dp32, state32)
+    for _ in range(5):
+        state32, m32 = dp32.step(state32, b)
+        state16, m16 = dp16.step(state16, b)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state16.params))
+    floats = [x for x in jax.tree.leaves(state16.opt_state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    assert all(x.dtype == jnp.float32 for x in floats)
+    assert abs(m16["loss"] - m32["loss"]) < 2e-2 * abs(m32["loss"])  # bfloat16's 8 bits of mantissa
+    assert m16["loss"] != m32["loss"]
+
+
+def test_compute_dtype_must_be_a_float_dtype():
+    with pytest.raises(ValueError, match=r"`compute_dtype` must be a float dtype .* got compute_dtype=<class"):
+        setup(compute_dtype=jnp.int8)
