@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import jax
 import numpy as np
@@ -83,6 +84,36 @@ def test_repeats_pool_timings():
     assert merged["jddp_ms"] == [1.0, 2.0, 4.0] and merged["latency_ms"] == [1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
     assert merged["compile_s"] == 4.0 and merged["global_batch"] == 64
     assert bench.summarize([merged])[0]["step_ms"] == 2.0
+
+
+def _table(configurations):
+    """``format_table`` of made-up timings for these ``(processes, devices)``: its column names, its rows (cells
+    split where two spaces part them), and the lines after the rows (the legend)."""
+    raw = [{"processes": p, "devices": d, "global_batch": 64 * d, "jddp_ms": [2.0 + d], "hand_ms": [1.9 + d],
+            "local_ms": [1.5 + d / 2], "latency_ms": [2.5 + d, 3.0 + d], "compile_s": 1.25, "grad_bytes": 4}
+           for p, d in configurations]  # fmt: skip
+    rows = bench.summarize(raw)
+    lines = bench.format_table(rows).splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.split()[:2] == ["proc", "dev"]]
+    split = functools.partial(re.split, r"\s{2,}")
+    columns = split(lines[at].strip())
+    cells = [split(line.strip()) for line in lines[at + 1 : at + 1 + len(rows)]]
+    return columns, cells, lines[at + 1 + len(rows) :]
+
+
+def test_the_table_explains_every_column_it_prints_and_gives_every_figure_its_unit():
+    columns, cells, legend = _table([(1, 1), (1, 2), (2, 2), (2, 8)])
+    assert len(columns) >= 8 and all(len(row) == len(columns) for row in cells)
+    for name in columns:  # each column's name opens a line of the legend, which says what it is
+        assert any(re.match(rf"\s*{re.escape(name)}(, [^:]+)?: \S", line) for line in legend), (name, legend)
+    unit = re.compile(r"^\d[\d.]* ?(examples/s|x|%|ms|s)\*?$")
+    for row in cells:  # a count in the process and device columns; every other figure with its unit
+        assert row[0].isdigit() and row[1].isdigit(), row
+        assert all(unit.match(cell) for cell in row[2:]), row
+    # A figure marked * at 1 device (where nothing crosses devices) says in the legend what it measures there.
+    marked = [c for c in cells[0] if c.endswith("*")]
+    assert not any(c.endswith("*") for row in cells[1:] for c in row)
+    assert not marked or any(line.lstrip().startswith("*") and "1 device" in line for line in legend), legend
 
 
 def test_bad_device_list_is_a_usage_error(capsys):

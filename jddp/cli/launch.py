@@ -138,7 +138,8 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         type=envvars.count(1),
         default=None,
         metavar="D",
-        help="simulated CPU devices in each process",
+        help="simulated CPU devices in each process (default: none simulated; $JDDP_LOCAL_DEVICES if set, else "
+        "the devices JAX finds)",
     )
     parser.add_argument(
         "--coordinator",
@@ -181,23 +182,30 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         type=envvars.seconds(),
         default=None,
         metavar="S",
-        help="seconds before a silent peer counts as dead",
+        help="seconds before a silent peer counts as dead, the peer timeout T "
+        f"(default: $JDDP_PEER_TIMEOUT if set, else {DEFAULT_PEER_TIMEOUT_S:g})",
     )
-    parser.add_argument("--no-malloc-tuning", action="store_true", help="do not set GLIBC_TUNABLES for the processes")
+    parser.add_argument(
+        "--no-malloc-tuning",
+        action="store_true",
+        help="do not set GLIBC_TUNABLES for the processes (default: set it, unless already set)",
+    )
     parser.add_argument(
         "--cpu-share",
         action="store_true",
-        help="pin each process to its own share of the cores, with OpenMP and XLA threads to match (measured "
-        "slower on a 2-core VM; see BENCHMARKS.md)",
+        help="pin each process to its own share of the cores, with OpenMP and XLA threads to match; measured "
+        "slower on a 2-core VM, see BENCHMARKS.md (default: off)",
     )
     parser.add_argument(
         "--transport",
         choices=("xla", "mpi"),
         default="xla",
-        help="how the processes sum gradients: xla (gloo on CPU, default) or mpi (MPI_Allreduce, the jddp[mpi] extra: "
-        "the processes are started under the mpich wheel's mpiexec)",
+        help="how the processes sum gradients: xla (gloo on CPU) or mpi (MPI_Allreduce, the jddp[mpi] extra: "
+        "the processes are started under the mpich wheel's mpiexec) (default: %(default)s)",
     )
-    parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
+    parser.add_argument(
+        "-m", dest="module", action="store_true", help="run the target as a module, python -m (default: a script)"
+    )
     parser.add_argument("target", help="the script (or module with -m) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
