@@ -10,24 +10,24 @@ import time
 import pytest
 
 from jddp import exitcodes
-from jddp.runtime import progress
+from jddp.runtime import progress, watchdog
 from tests import multiprocess
 
 STALL = str(multiprocess.WORKERS / "stall.py")
-PEER_TIMEOUT = 10.0  # the watchdog's round is a tenth of it
+PEER_TIMEOUT = 10.0  # the watchdog's round is a tenth of it, at most 1 s (watchdog.MAX_ROUND_S)
 VERDICT = re.compile(r"no process made progress for ([\d.]+) s \(bound ([\d.]+) s")
 
 
-def launch_stall(tmp_path, how: str, floor: float, *extra: str, steps: int = 100):
+def launch_stall(tmp_path, how: str, floor: float, *extra: str, steps: int = 100, peer_timeout: float = PEER_TIMEOUT):
     env = {"STALL": how, "STALL_AT": "20", "STALL_RANK": "1", "JDDP_STALL_FLOOR": str(floor)}
     if how != "data":
         env["JDDP_FLIGHT_DIR"] = str(tmp_path / "flight")
     return multiprocess.launch(
-        "-n", "2", "--peer-timeout", str(PEER_TIMEOUT), *extra, STALL, str(tmp_path), str(steps), env=env
+        "-n", "2", "--peer-timeout", str(peer_timeout), *extra, STALL, str(tmp_path), str(steps), env=env
     )
 
 
-def check_stall(done, flight_dir, frame: str) -> None:
+def check_stall(done, flight_dir, frame: str, peer_timeout: float = PEER_TIMEOUT) -> None:
     """Both processes end with 70 and a line naming process 1 at ``frame``; both wrote a flight record."""
     assert done.returncode == exitcodes.EXIT_STALLED, done.stdout[-3000:] + done.stderr[-5000:]
     for p in (0, 1):
@@ -36,8 +36,9 @@ def check_stall(done, flight_dir, frame: str) -> None:
         assert "stall.py:" in line and frame in line.split("Behind:")[1].split("This process")[0], line
         quiet, bound = map(float, VERDICT.search(line).groups())
         # Judged within the learned bound: the group was quiet longer than the bound, by less than the watchdog's
-        # rounds (one to see the last tick, one to judge) and what a loaded machine adds to them.
-        assert bound <= quiet <= bound + 3 * PEER_TIMEOUT / 10 + 5, line
+        # rounds (one to see the last tick, one to judge; at most 1 s each whatever the peer timeout) and what a
+        # loaded machine adds to them. Rounds of T / 10 made it bound + 6 to 9 s at T = 30 s.
+        assert bound <= quiet <= bound + 3 * min(peer_timeout / 10, watchdog.MAX_ROUND_S) + 2, line
         assert f"exiting with code {exitcodes.EXIT_STALLED}" in line
     assert "the group stalled: each process's last line above names the process that was behind" in done.stderr
     records = {p: (flight_dir / progress.FLIGHT_FILE.format(p)).read_text() for p in (0, 1)}
@@ -57,8 +58,14 @@ def test_a_process_sleeping_in_its_data_loading_stalls_the_group_named_with_flig
 
 @pytest.mark.multiprocess
 def test_a_python_loop_of_the_script_in_a_hand_written_loop_stalls_the_group_named(tmp_path):
-    done = launch_stall(tmp_path, "spin", 3)
-    check_stall(done, tmp_path / "flight", "spin_forever")
+    done = launch_stall(tmp_path, "spin", 3, peer_timeout=30)  # the default timeout: rounds still 1 s apart
+    ended = time.time()
+    check_stall(done, tmp_path / "flight", "spin_forever", peer_timeout=30)
+    # From the stall to the launcher's exit: the learned bound and a few rounds of 1 s, not of T / 10 (which took
+    # bound + 9 to 11 s at T = 30 s); the margin is for a loaded machine.
+    stalled = float(re.search(r"STALLING 20 ([\d.]+)", done.stdout).group(1))
+    bound = float(VERDICT.search(done.stderr).group(2))
+    assert ended - stalled <= bound + 3 + 3, (ended - stalled, bound)
 
 
 @pytest.mark.multiprocess

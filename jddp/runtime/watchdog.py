@@ -3,7 +3,7 @@
 JAX's own behaviour when a peer dies is a hang in the next collective until the
 coordination service's heartbeat timeout (100 s by default), then a C++ abort
 with no Python cleanup. jddp adds a watchdog thread to every process of a group.
-Every ``peer_timeout_s / 10`` seconds it writes a counter under
+Every round (``peer_timeout_s / 10`` seconds, at most ``MAX_ROUND_S``) it writes a counter under
 ``jddp/alive/<process>`` in the coordination service's key-value store and reads
 everyone's. It ends the process with ``EXIT_PEER_LOST`` (69) and one line on
 stderr naming the lost process, when:
@@ -60,6 +60,8 @@ import time
 from jddp import exitcodes
 from jddp.runtime import jax_internals, progress
 
+MAX_ROUND_S = 1.0  # the longest time between two watchdog rounds, whatever the peer timeout
+
 ALIVE_PREFIX = "jddp/alive/"
 DONE = "done"
 FAILED = "failed"
@@ -101,7 +103,9 @@ class Watchdog(threading.Thread):
         self.client = client
         self.process_id, self.num_processes = process_id, num_processes
         self.coordinator, self.peer_timeout_s = coordinator, peer_timeout_s
-        self.interval = max(0.05, peer_timeout_s / 10)
+        # A round at most every MAX_ROUND_S: the stall detector names a stall a few rounds after its bound, so
+        # T / 10 alone made that delay grow with the peer timeout (bound + 9 to 11 s at T = 30 s).
+        self.interval = max(0.05, min(peer_timeout_s / 10, MAX_ROUND_S))
         self.state: str | None = None  # None while running, then DONE or FAILED
         self.stopped = threading.Event()
         self.key = f"{ALIVE_PREFIX}{process_id}"
