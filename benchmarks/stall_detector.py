@@ -1,11 +1,13 @@
 """The stall detector: how fast a stall is named, and whether a slow run under load ever is.
 
     python benchmarks/stall_detector.py [--floor 3] [--repeats 3] [--steps 500] [--spinners 4]
+                                        [--peer-timeouts 10,30,60] [--hogs 0,2]
 
 Detection: ``tests/workers/stall.py`` under ``jddp launch -n 2``; process 1 stalls at step 20 in its data loading
 (``STALL=data``, under ``fit``) or in a Python loop of its own (``STALL=spin``, a hand-written loop). Printed: the
 learned bound, the quiet time the watchdog judged, and the time from the stall to the group's end (the process's
-own ``STALLING`` time stamp to the launcher's exit), medians over the repeats.
+own ``STALLING`` time stamp to the launcher's exit), medians and maxima over the repeats, at each peer timeout,
+quiet and with ``--hogs`` busy processes beside the group.
 
 False alarms: the same worker without a stall, ``--steps`` steps, while ``--spinners`` busy Python processes load
 the 2 cores (load average above 4), with the same floor; any exit 70 is a false alarm. Printed: the runs, false
@@ -29,35 +31,50 @@ WORKER = ROOT / "tests" / "workers" / "stall.py"
 VERDICT = re.compile(r"no process made progress for ([\d.]+) s \(bound ([\d.]+) s")
 
 
-def launch(out: str, steps: int, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
+def launch(
+    out: str, steps: int, env: dict[str, str], peer_timeout: float = 10
+) -> tuple[subprocess.CompletedProcess, float]:
     full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     full.pop("XLA_FLAGS", None)
-    argv = [sys.executable, "-m", "jddp.launch", "-n", "2", "--peer-timeout", "10", str(WORKER), out, str(steps)]
+    argv = [sys.executable, "-m", "jddp.launch", "-n", "2", "--peer-timeout", f"{peer_timeout:g}", str(WORKER), out]
+    argv.append(str(steps))
     done = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     return done, time.time()
 
 
-def detection(how: str, floor: float, repeats: int) -> None:
+def detection(how: str, floor: float, repeats: int, peer_timeout: float = 10, hogs: int = 0) -> None:
     bounds, quiets, latencies = [], [], []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory() as out:
-            env = {"STALL": how, "STALL_AT": "20", "JDDP_STALL_FLOOR": str(floor), "JDDP_FLIGHT_DIR": out}
-            done, ended = launch(out, 200, env)
-            stalled = re.search(r"STALLING 20 ([\d.]+)", done.stdout)
-            verdict = VERDICT.search(done.stderr)
-            if done.returncode != 70 or stalled is None or verdict is None:
-                print(f"  {how}: unexpected end (exit {done.returncode}):\n{done.stderr[-2000:]}")
-                continue
-            quiet, bound = map(float, verdict.groups())
-            bounds.append(bound)
-            quiets.append(quiet)
-            latencies.append(ended - float(stalled.group(1)))
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    try:
+        for _ in range(repeats):
+            _detect_once(how, floor, peer_timeout, bounds, quiets, latencies)
+    finally:
+        for p in load:
+            p.kill()
     if latencies:
+        over = [lat - b for lat, b in zip(latencies, bounds, strict=True)]
         print(
-            f"  stall in {how:<5}: {len(latencies)}/{repeats} named; bound median {statistics.median(bounds):.1f} s, "
-            f"judged after {statistics.median(quiets):.1f} s quiet (median), stall to group end "
-            f"{statistics.median(latencies):.1f} s median (min {min(latencies):.1f}, max {max(latencies):.1f})"
+            f"  stall in {how:<5} T={peer_timeout:g} s, {hogs} hogs: {len(latencies)}/{repeats} named; bound median "
+            f"{statistics.median(bounds):.1f} s, judged after {statistics.median(quiets):.1f} s quiet (median), "
+            f"stall to group end {statistics.median(latencies):.1f} s median (min {min(latencies):.1f}, max "
+            f"{max(latencies):.1f}); over the bound: median {statistics.median(over):.1f} s, max {max(over):.1f} s; "
+            f"load {os.getloadavg()[0]:.1f}"
         )
+
+
+def _detect_once(how: str, floor: float, peer_timeout: float, bounds: list, quiets: list, latencies: list) -> None:
+    with tempfile.TemporaryDirectory() as out:
+        env = {"STALL": how, "STALL_AT": "20", "JDDP_STALL_FLOOR": str(floor), "JDDP_FLIGHT_DIR": out}
+        done, ended = launch(out, 200, env, peer_timeout)
+        stalled = re.search(r"STALLING 20 ([\d.]+)", done.stdout)
+        verdict = VERDICT.search(done.stderr)
+        if done.returncode != 70 or stalled is None or verdict is None:
+            print(f"  {how}: unexpected end (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            return
+        quiet, bound = map(float, verdict.groups())
+        bounds.append(bound)
+        quiets.append(quiet)
+        latencies.append(ended - float(stalled.group(1)))
 
 
 def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
@@ -95,12 +112,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--spinners", type=int, default=4)
+    parser.add_argument("--peer-timeouts", default="10,30,60", help="peer timeouts to measure detection at (s)")
+    parser.add_argument("--hogs", default="0,2", help="busy processes beside the group, for each detection run")
+    parser.add_argument("--no-false-alarms", action="store_true", help="skip the false-alarm runs")
     args = parser.parse_args()
-    print(f"stall detector: floor {args.floor:g} s, peer timeout 10 s (a watchdog round is 1 s), 2 processes")
+    print(f"stall detector: floor {args.floor:g} s, 2 processes (a watchdog round is min(T/10, 1 s))")
     print(f"  load average at the start: {os.getloadavg()[0]:.2f}")
-    for how in ("data", "spin"):
-        detection(how, args.floor, args.repeats)
-    false_alarms(args.floor, args.repeats, args.steps, args.spinners)
+    for timeout in (float(t) for t in args.peer_timeouts.split(",")):
+        for hogs in (int(h) for h in args.hogs.split(",")):
+            detection("spin", args.floor, args.repeats, timeout, hogs)
+    detection("data", args.floor, args.repeats)
+    if not args.no_false_alarms:
+        false_alarms(args.floor, args.repeats, args.steps, args.spinners)
 
 
 if __name__ == "__main__":
