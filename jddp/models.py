@@ -232,25 +232,91 @@ def eqx_split(model, state=None) -> tuple[Any, jt.Params, Any]:
     return static, params, {} if state is None else state
 
 
-def eqx_loss(static, fn: Callable[[Any, Any, jt.Batch, Any], Any]) -> jt.LossFn:
-    """A jddp ``loss_fn`` from ``fn(model, state, batch, key) -> (loss, state) | (loss, state, metrics)``, the model
-    in training mode (``eqx.nn.inference_mode(model, False)``: dropout on, BatchNorm on batch statistics) whatever
-    mode it was split in. ``key`` differs at every step; split it between layers that draw, and per example with
-    ``jax.random.split(key, rows)`` (each example then draws as on one device: ``DataParallel(rng=...)``)."""
+def eqx_loss(static, fn: Callable[..., Any]) -> jt.LossFn:
+    """A jddp ``loss_fn`` from an Equinox loss, in one of two forms, told apart by ``fn``'s number of positional
+    parameters (``inspect.signature``):
+
+    * 3, ``fn(model, batch, key) -> loss | (loss, metrics)``: for a model without ``eqx.nn.State`` (split with
+      ``eqx_split(model)``); the model state stays ``{}``;
+    * 4, ``fn(model, state, batch, key) -> (loss, state) | (loss, state, metrics)``: for a model made with
+      ``eqx.nn.make_with_state`` (split with ``eqx_split(model, state)``).
+
+    The model is in training mode (``eqx.nn.inference_mode(model, False)``: dropout on, BatchNorm on batch
+    statistics) whatever mode it was split in. ``key`` differs at every step; split it between layers that draw,
+    and per example with ``jax.random.split(key, rows)`` (each example then draws as on one device:
+    ``DataParallel(rng=...)``).
+
+    Raises:
+      TypeError: here, for an ``fn`` of any other shape (``*args``, 2 or 5 parameters, no signature); at the first
+        step, for a 3-parameter ``fn`` given a model with ``eqx.nn.State``, or a return of another shape.
+    """
     import equinox as eqx
+
+    with_state = _eqx_takes_state(fn)
 
     def loss_fn(params, model_state, batch, rng):
         model = eqx.nn.inference_mode(eqx.combine(params, static), False)
-        out = fn(model, model_state, batch, rng)
-        if not isinstance(out, tuple) or len(out) not in (2, 3):
+        if with_state:
+            out = fn(model, model_state, batch, rng)
+            if not isinstance(out, tuple) or len(out) not in (2, 3):
+                raise TypeError(
+                    "The function given to `eqx_loss`, fn(model, state, batch, key), must return (loss, state) or "
+                    f"(loss, state, metrics), got {_shape_of(out)}."
+                )
+            loss, new_state, *metrics = out
+            return loss, (new_state, metrics[0] if metrics else {})
+        if jax.tree.leaves(model_state):
             raise TypeError(
-                "The function given to `eqx_loss` must return (loss, state) or (loss, state, metrics), got "
-                f"{type(out).__name__}."
+                f"`eqx_loss` got fn(model, batch, key) ({_name(fn)}), but the model has an eqx.nn.State "
+                f"(model_state: {len(jax.tree.leaves(model_state))} array(s)) that such a function cannot update. "
+                "Take and return it: fn(model, state, batch, key) -> (loss, state) or (loss, state, metrics)."
             )
-        loss, new_state, *metrics = out
-        return loss, (new_state, metrics[0] if metrics else {})
+        out = fn(model, batch, rng)
+        if isinstance(out, tuple) and len(out) != 2:
+            raise TypeError(
+                "The function given to `eqx_loss`, fn(model, batch, key), must return loss or (loss, metrics), got "
+                f"{_shape_of(out)}."
+            )
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        return loss, (model_state, metrics)
 
     return loss_fn
+
+
+def _eqx_takes_state(fn: Callable[..., Any]) -> bool:
+    """True for ``fn(model, state, batch, key)``, False for ``fn(model, batch, key)``: by the count of positional
+    parameters; a TypeError for anything else."""
+    import inspect
+
+    forms = (
+        "fn(model, batch, key) -> loss | (loss, metrics), or fn(model, state, batch, key) -> (loss, state[, metrics])"
+    )
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`eqx_loss` needs a function whose parameters it can read, got {_name(fn)} (no signature). Pass a "
+            f"Python function: {forms}."
+        ) from None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required_keywords = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    starred = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    if starred or required_keywords or len(positional) not in (3, 4):
+        shown = ", ".join(str(p) for p in parameters)
+        raise TypeError(
+            f"`eqx_loss` reads the form of its function from its positional parameters, 3 or 4, but {_name(fn)}"
+            f"({shown}) has {'*args' if starred else len(positional)}"
+            f"{f' and the required keyword(s) {required_keywords}' if required_keywords else ''}. Write {forms}."
+        )
+    return len(positional) == 4
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _shape_of(out: Any) -> str:
+    return f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
 
 
 def eqx_eval(static, fn: Callable[[Any, Any, jt.Batch], jt.Metrics]) -> jt.EvalFn:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jddp
 from jddp import models
@@ -143,3 +144,109 @@ def test_a_checkpoint_holds_the_equinox_state(tmp_path):
         restored = ckpt.restore_or_init(setup(inference=False)[2])
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------- loss functions with and without `state`
+
+STEPS, LR = 4, 0.1
+
+
+def _stateless_loss(model, batch, key):
+    return test_models.classification(model(batch["x"]), batch)[0]
+
+
+def _stateless_loss_and_metrics(model, batch, key):
+    return test_models.classification(model(batch["x"]), batch)
+
+
+def _stateful_loss(model, state, batch, key):
+    loss, metrics = test_models.classification(model(batch["x"]), batch)
+    return loss, state, metrics
+
+
+def _plain_jit_reference(batches):
+    """The same model and SGD under ``eqx.filter_jit`` on whole global batches, without jddp."""
+    model = test_models.EqxMLP(jax.random.key(4))
+    optimizer = optax.sgd(LR)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, opt_state, batch):
+        loss, grads = eqx.filter_value_and_grad(lambda m: _stateless_loss(m, batch, None))(model)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    losses = []
+    for batch in batches:
+        model, opt_state, loss = step(model, opt_state, batch)
+        losses.append(float(loss))
+    return eqx.filter(model, eqx.is_inexact_array), losses
+
+
+def _train_with_jddp(fn):
+    static, params, model_state = models.eqx_split(test_models.EqxMLP(jax.random.key(4)))
+    dp = jddp.DataParallel(models.eqx_loss(static, fn), optax.sgd(LR), mesh=jddp.data_mesh())
+    state = dp.init(params, model_state)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = dp.step(state, test_models.batch(32, seed=i))
+        losses.append(float(metrics["loss"]))
+    return models.to_host(state.params), losses
+
+
+def test_a_loss_without_state_trains_as_one_with_state_and_as_plain_jit_on_8_devices():
+    """``fn(model, batch, key) -> loss``, ``-> (loss, metrics)`` and ``fn(model, state, batch, key) -> (loss, state,
+    metrics)`` give the same steps on 8 devices as a plain ``eqx.filter_jit`` loop on one."""
+    assert jax.device_count() == 8
+    reference, reference_losses = _plain_jit_reference([test_models.batch(32, seed=i) for i in range(STEPS)])
+    runs = {fn.__name__: _train_with_jddp(fn) for fn in (_stateless_loss, _stateless_loss_and_metrics, _stateful_loss)}
+    for name, (params, losses) in runs.items():
+        np.testing.assert_allclose(losses, reference_losses, rtol=1e-5, err_msg=name)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name)
+    for name, (params, _) in runs.items():  # the three forms: the same computation, bit for bit
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(runs["_stateful_loss"][0]), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+    initial = eqx.filter(test_models.EqxMLP(jax.random.key(4)), eqx.is_inexact_array)
+    assert not np.allclose(np.asarray(reference.l1.weight), np.asarray(initial.l1.weight))  # it trained
+
+
+def _two(model, batch):
+    return 0.0
+
+
+def _five(model, state, batch, key, extra):
+    return 0.0
+
+
+def _star(*args):
+    return 0.0
+
+
+@pytest.mark.parametrize("fn", [_two, _five, _star, len], ids=["two", "five", "star-args", "builtin"])
+def test_a_loss_of_another_shape_is_a_type_error_naming_both_forms(fn):
+    static, _, _ = models.eqx_split(test_models.EqxMLP(jax.random.key(4)))
+    with pytest.raises(TypeError, match=r"fn\(model, batch, key\).*fn\(model, state, batch, key\)"):
+        models.eqx_loss(static, fn)
+
+
+def test_a_loss_without_state_for_a_model_with_state_is_a_type_error():
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0))
+    static, params, model_state = models.eqx_split(model, state)
+    loss_fn = models.eqx_loss(static, lambda model, batch, key: 0.0)
+    with pytest.raises(TypeError, match=r"the model has an eqx\.nn\.State .* fn\(model, state, batch, key\)"):
+        loss_fn(params, model_state, test_models.batch(8), jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (lambda model, batch, key: (1.0, {}, {}), r"must return loss or \(loss, metrics\), got a tuple of 3"),
+        (lambda model, state, batch, key: 1.0, r"must return \(loss, state\) or \(loss, state, metrics\), got float"),
+    ],
+    ids=["stateless", "stateful"],
+)
+def test_a_wrong_return_names_the_form_expected(fn, expected):
+    static, params, model_state = models.eqx_split(test_models.EqxMLP(jax.random.key(4)))
+    with pytest.raises(TypeError, match=expected):
+        models.eqx_loss(static, fn)(params, model_state, test_models.batch(8), jax.random.key(0))
