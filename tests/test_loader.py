@@ -328,3 +328,55 @@ def test_state_from_another_dataset_is_refused():
     other = jddp.data.DataLoader(source(100), global_batch_size=16, seed=2)
     with pytest.raises(ValueError, match=r"seed: saved 1, here 2"):
         other.set_state(state)
+
+
+# ------------------------------------------------------------- per_device_batch_size (PyTorch's batch_size)
+
+
+def test_per_device_batch_size_gives_the_batches_of_its_global_batch_size():
+    """PyTorch's ``DataLoader(batch_size=4)`` per process-device, on 8 devices: the global batch of 32."""
+    assert jax.device_count() == 8
+    data = source()
+    per_device = jddp.data.DataLoader(data, per_device_batch_size=4, seed=5)
+    global_ = jddp.data.DataLoader(data, global_batch_size=32, seed=5)
+    assert per_device.global_batch_size == global_.global_batch_size == 32
+    assert per_device.per_device_batch_size == global_.per_device_batch_size == 4
+    assert len(per_device) == len(global_) == 203 // 32
+    for epoch in range(2):
+        got, want = [host(b) for b in per_device], [host(b) for b in global_]
+        assert len(got) == len(want) == 6, epoch
+        for a, b in zip(got, want, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k])
+    assert per_device.get_state() == global_.get_state()
+
+
+def test_per_device_batch_size_counts_the_devices_of_the_mesh():
+    mesh = jddp.data_mesh(jax.devices()[:2])
+    loader = jddp.data.DataLoader(source(), per_device_batch_size=3, mesh=mesh, shuffle=False)
+    assert loader.global_batch_size == 6 and loader.per_device_batch_size == 3
+    assert np.asarray(next(iter(loader))["x"]).shape == (6, models.IN)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"global_batch_size": 32, "per_device_batch_size": 4},
+            r"both.*global_batch_size=32.*per_device_batch_size=4",
+        ),
+        ({}, r"neither"),
+        ({"per_device_batch_size": 0}, r"`per_device_batch_size` must be an int >= 1, got per_device_batch_size=0\b"),
+        (
+            {"per_device_batch_size": 2.5},
+            r"must be an int >= 1, got per_device_batch_size=2\.5",
+        ),
+    ],
+    ids=["both", "neither", "zero", "float"],
+)
+def test_batch_size_arguments_exactly_one_of_the_two(kwargs, match):
+    with pytest.raises(ValueError, match=match) as error:
+        jddp.data.DataLoader(source(), **kwargs)
+    if "both" in match or "neither" in match:  # names both, and the fix
+        assert "`global_batch_size`" in str(error.value) and "`per_device_batch_size`" in str(error.value)

@@ -293,6 +293,26 @@ def source_size(source) -> int:
         ) from None
 
 
+def _global_batch_size(global_batch_size: Any, per_device_batch_size: Any, devices: int) -> Any:
+    """The global batch size from exactly one of the two arguments."""
+    if (global_batch_size is None) == (per_device_batch_size is None):
+        which = "both" if global_batch_size is not None else "neither"
+        raise ValueError(
+            f"DataLoader needs exactly one of `global_batch_size` (examples per step over all devices) and "
+            f"`per_device_batch_size` (examples per device, PyTorch DDP's batch_size), got {which}: "
+            f"global_batch_size={global_batch_size!r}, per_device_batch_size={per_device_batch_size!r}. Pass one, "
+            f"e.g. per_device_batch_size=4 for global_batch_size={4 * devices} on these {devices} devices."
+        )
+    if per_device_batch_size is None:
+        return global_batch_size
+    validate.check_int(
+        "per_device_batch_size",
+        per_device_batch_size,
+        fix=f"It is multiplied by the {devices} devices of the mesh into the global batch size.",
+    )
+    return int(per_device_batch_size) * devices
+
+
 class DataLoader:
     """Global batches for ``DataParallel.step``, each process reading only its slice.
 
@@ -314,6 +334,11 @@ class DataLoader:
         any random-access source with ``len`` and ``[i]`` (a Grain data source).
       global_batch_size: examples per step over all processes; divisible by the
         number of devices of ``mesh``.
+      per_device_batch_size: instead of ``global_batch_size`` (exactly one of
+        the two): examples per device and step, PyTorch DDP's ``batch_size``;
+        the global batch size is ``per_device_batch_size`` x the devices of
+        ``mesh`` (``jax.device_count()`` for ``jddp.data_mesh()``). Both are
+        attributes of the loader.
       mesh: where batches go; ``jddp.data_mesh()`` when None.
       shuffle, seed, drop_last: as for ``DistributedBatchSampler``.
       transform: ``transform(example, rng) -> example`` per example; ``rng`` is
@@ -344,7 +369,8 @@ class DataLoader:
         self,
         source,
         *,
-        global_batch_size: int,
+        global_batch_size: int | None = None,
+        per_device_batch_size: int | None = None,
         mesh: Mesh | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -365,6 +391,7 @@ class DataLoader:
                 f"got {mesh!r}."
             )
         devices = mesh.devices.size
+        global_batch_size = _global_batch_size(global_batch_size, per_device_batch_size, devices)
         if isinstance(global_batch_size, int) and global_batch_size % devices:
             raise ValueError(
                 f"`global_batch_size` must be divisible by the number of devices (processes x local "
@@ -383,6 +410,8 @@ class DataLoader:
             drop_last=drop_last,
         )
         self.source, self.mesh = source, mesh
+        self.global_batch_size: int = self.sampler.global_batch_size  # examples per step, all devices together
+        self.per_device_batch_size: int = self.global_batch_size // devices  # examples per device and step
         self.worker_count, self.prefetch = worker_count, prefetch
         self._read = _ReadBatch(source, self.sampler, transform, batch_transform)
         if transform is None and batch_transform is None:  # what the devices will get, said now, not at a step
