@@ -22,7 +22,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=envvars.count(1),
         default=None,
         metavar="N",
-        help="simulate N CPU devices first, for a dry run (default: none, the devices JAX finds)",
+        help="simulate N CPU devices first, for a dry run (default: $JDDP_LOCAL_DEVICES if set, else the devices "
+        "JAX finds)",
     )
     sub.add_parser(
         "launch", help="run a script as several processes; restart on failure (`jddp launch --help`)", add_help=False
