@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jddp
+from jddp.engine import loss_scale
 from tests import models
 
 N = 8
@@ -89,3 +90,36 @@ def test_compute_dtype_bfloat16_computes_in_bfloat16_and_keeps_float32_state():
 def test_compute_dtype_must_be_a_float_dtype():
     with pytest.raises(ValueError, match=r"`compute_dtype` must be a float dtype .* got compute_dtype=<class"):
         setup(compute_dtype=jnp.int8)
+
+
+def test_compute_dtype_float16_scales_the_loss_and_halves_the_scale_on_overflow():
+    """float16's gradients of a small loss underflow without a scale. With the scale (in the optimizer state): a
+    step whose scaled gradient overflows is skipped, params unchanged, and halves the scale (GradScaler's first
+    steps do the same), and the first finite step equals float32's update to float16 rounding, its reported
+    gradient norm the true (unscaled) one."""
+    b = models.batch(64)
+    _, dp32, state32 = setup()
+    _, dp16, state16 = setup(compute_dtype=jnp.float16)
+    initial = jddp.models.to_host(state16.params)
+    assert float(loss_scale.scale_of(state16.opt_state)) == loss_scale.INITIAL_SCALE
+    for skipped in range(12):
+        state16, m16 = dp16.step(state16, b)
+        assert m16["loss_scale"] == loss_scale.INITIAL_SCALE / 2**skipped
+        if m16["nonfinite"] == 0:
+            break
+        assert models.max_diff(jddp.models.to_host(state16.params), initial) == 0.0
+    assert m16["nonfinite"] == 0
+    new32, m32 = dp32.step(state32, b)
+    assert abs(m16["grad_norm"] - m32["grad_norm"]) < 1e-2 * m32["grad_norm"]
+    assert models.max_diff(jddp.models.to_host(state16.params), jddp.models.to_host(new32.params)) < 1e-3
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state16.params))
+    # A batch whose scaled float16 gradient overflows: skipped, the scale halved.
+    before, scale = jddp.models.to_host(state16.params), float(loss_scale.scale_of(state16.opt_state))
+    after, m = dp16.step(state16, {**b, "x": b["x"] * 3e3})
+    assert m["nonfinite"] == 1 and float(loss_scale.scale_of(after.opt_state)) == scale / 2
+    assert models.max_diff(jddp.models.to_host(after.params), before) == 0.0
+
+
+def test_float16_compute_needs_the_nonfinite_guard():
+    with pytest.raises(ValueError, match=r"`compute_dtype=float16` scales the loss .* not 'ignore'"):
+        setup(compute_dtype=jnp.float16, nonfinite="ignore")

@@ -40,6 +40,11 @@ class Options:
     local_metrics: bool = False
     compute_dtype: Any = None
 
+    @property
+    def loss_scaled(self) -> bool:
+        """float16 compute: the loss is scaled (``jddp.engine.loss_scale``); bfloat16 has float32's range."""
+        return self.compute_dtype is not None and float(jnp.finfo(self.compute_dtype).max) < 1e6
+
     def __post_init__(self):
         validate.check_int("accumulate_steps", self.accumulate_steps)
         if self.reduce_dtype is not None and not jnp.issubdtype(self.reduce_dtype, jnp.floating):
@@ -72,6 +77,16 @@ class Options:
             raise ValueError(
                 "`compute_dtype` must be a float dtype such as jnp.bfloat16 (the forward and backward pass in it, "
                 f"params and optimizer state kept in theirs) or None, got compute_dtype={self.compute_dtype!r}."
+            )
+        if self.loss_scaled and self.nonfinite == "ignore":
+            raise ValueError(
+                f"`compute_dtype={np.dtype(self.compute_dtype).name}` scales the loss and must skip the steps whose "
+                "gradient overflows: use nonfinite='skip' (the default) or 'raise', not 'ignore'."
+            )
+        if self.loss_scaled and self.shard_optimizer:
+            raise ValueError(
+                f"`compute_dtype={np.dtype(self.compute_dtype).name}` (loss scaling) is not built for "
+                "shard_optimizer=True yet; use compute_dtype=jnp.bfloat16, which needs no loss scale."
             )
         if self.rng not in ("example", "device"):
             raise ValueError(

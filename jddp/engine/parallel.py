@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp import envvars, runtime
 from jddp import typing as jt
-from jddp.engine import checks, comm, fused, mpi, replicas, zero
+from jddp.engine import checks, comm, fused, loss_scale, mpi, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
 from jddp.runtime import dispatch, distributed, progress, watchdog
@@ -113,7 +113,10 @@ class DataParallel:
       compute_dtype: mixed precision (``torch.autocast``): the forward and
         backward pass run with the float params and batch arrays cast to this
         dtype (``jnp.bfloat16``); params, gradients and optimizer state stay
-        in the params' dtype. ``None`` computes in the params' dtype.
+        in the params' dtype. ``jnp.float16`` adds dynamic loss scaling
+        (``GradScaler``: ``jddp.engine.loss_scale``; the scale is in the
+        optimizer state and in ``metrics["loss_scale"]``). ``None`` computes in
+        the params' dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jddp
@@ -162,6 +165,8 @@ class DataParallel:
             accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce,
             shard_optimizer, rng, grad_hook, local_metrics, compute_dtype,
         )  # fmt: skip
+        if self.options.loss_scaled:  # float16 compute: the loss scale lives in the optimizer state
+            optimizer = loss_scale.with_loss_scale(optimizer)
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
         self.num_devices = mesh.shape[DATA]
         psum = fused.fused_psum if fuse_allreduce else lax.psum

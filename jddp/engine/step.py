@@ -21,7 +21,7 @@ from jax import lax
 
 from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, fused, reduce, varying
+from jddp.engine import checks, fused, loss_scale, reduce, varying
 from jddp.engine import rng as rng_lib
 from jddp.runtime import packing
 from jddp.runtime import state as state_lib
@@ -56,7 +56,7 @@ class DeviceStep:
         grads_sum, sums, synced_sum = self.psum((self._wire(grads, rows), sums, varying_state), DATA)
         grads_sum = self._unwire(grads_sum, rows)
         model_state = unflatten_state(synced, [x / self.num_devices for x in synced_sum])
-        return self._apply(state, grads_sum, sums, model_state)
+        return self._apply(state, grads_sum, sums, model_state, rows=rows // self.options.accumulate_steps)
 
     def local_scatter(self, train: Train, rng: jax.Array, batch, layouts: list[LeafLayout]):
         """ZeRO-1's device part: the gradients reduce-scattered, each leaf along its layout's dimension (padded
@@ -108,9 +108,10 @@ class DeviceStep:
         key = self._key(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
         # The parameters as they are: under ``check_vma=False`` ``jax.grad`` gives this device's own gradient (no
         # implicit ``psum``), which the one all-reduce then sums.
+        scale = loss_scale.scale_of(state.opt_state) if self.options.loss_scaled else None
         if self.options.accumulate_steps == 1:
-            return self._local_grads(state.params, state.model_state, batch, key)
-        return self._accumulate(state.params, state.model_state, batch, key)
+            return self._local_grads(state.params, state.model_state, batch, key, scale)
+        return self._accumulate(state.params, state.model_state, batch, key, scale)
 
     def _with_local(self, sums, grads):
         """``sums`` with, when ``local_metrics`` is on, this device's own loss and gradient norm (means over its
@@ -162,7 +163,7 @@ class DeviceStep:
     def _unwire(self, summed, rows: int):
         return jax.tree.map(lambda g: g.astype(jnp.float32) * rows, summed) if self._narrow() else summed
 
-    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state, place=None, squares=None):
+    def _apply(self, state: state_lib.TrainState, grads_sum, sums, model_state, place=None, squares=None, rows=1):
         """The optimizer update from the all-reduced sums, identical on every replica.
 
         ZeRO-1 (outside ``shard_map``) passes ``place``, which pins the optimizer's updates and the new
@@ -179,6 +180,10 @@ class DeviceStep:
         weight = loss_w.weight.astype(mean_dtype)
         scale = 1.0 / jnp.where(weight > 0, weight, 1.0)
         metrics = {"loss": loss, "examples": examples}
+        if opts.loss_scaled:  # the gradient sums carry the loss scale over the rows: divided out with the count
+            used = loss_scale.scale_of(state.opt_state)
+            scale = scale * rows / used.astype(mean_dtype)
+            metrics["loss_scale"] = used
         if opts.nonfinite != "ignore" or opts.clip_grad_norm is not None:
             # The norm of the mean gradient, from the sums: the mean itself is
             # only formed inside the update, where XLA fuses it into the optimizer.
@@ -214,6 +219,8 @@ class DeviceStep:
             metrics["nonfinite"] = (~finite).astype(jnp.float32)
             take = take & finite
         params, opt_state, model_state = lax.cond(take, update, skip, operands)
+        if opts.loss_scaled:
+            opt_state = loss_scale.adjusted(opt_state, finite)
         checks.check_metric_names(aux, metrics)
         metrics.update({k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()})
         checks.check_metric_names(hooked, metrics)
@@ -233,8 +240,9 @@ class DeviceStep:
         dtype = reduce.sum_dtype(*(jnp.result_type(v) for v in metrics.values()))
         return jnp.stack([jnp.asarray(v, dtype) for v in metrics.values()])
 
-    def _local_grads(self, params, model_state, batch, key):
-        """Local gradient of the loss *total* and the local sums."""
+    def _local_grads(self, params, model_state, batch, key, scale=None):
+        """Local gradient of the loss *total* (times the loss ``scale`` under float16 compute) and the local
+        sums."""
         count = reduce.example_count(batch, leading_size(batch))
 
         def objective(params):
@@ -245,24 +253,26 @@ class DeviceStep:
             loss, (new_model_state, aux) = checks.unpack_loss(loss_fn(p, model_state, b, key))
             loss_w = reduce.as_weighted(loss, count, "The loss returned by `loss_fn`")
             aux_w = {k: reduce.as_weighted(v, count, f"Metric {k!r} returned by `loss_fn`") for k, v in aux.items()}
-            return loss_w.total, (loss_w, new_model_state, aux_w)
+            # The loss scale multiplies the mean (as GradScaler's), not the total over this slice's rows.
+            scaled = loss_w.total if scale is None else loss_w.total * (scale / leading_size(batch))
+            return scaled, (loss_w, new_model_state, aux_w)
 
         (_, (loss_w, new_model_state, aux_w)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return grads, new_model_state, (loss_w, count, aux_w)
 
-    def _accumulate(self, params, model_state, batch, key):
+    def _accumulate(self, params, model_state, batch, key, scale=None):
         """Sums local gradients over micro-batches in a scan: no collective inside. The model state is carried
         from one micro-batch to the next, as a loop over them would."""
         k = self.options.accumulate_steps
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(self._local_grads, params, model_state, first, key)
+        shapes = jax.eval_shape(self._local_grads, params, model_state, first, key, scale)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[2]))
 
         def body(carry, xs):
             grads_acc, ms, sums_acc = carry
             mb, i = xs
-            g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i))
+            g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i), scale)
             add = functools.partial(jax.tree.map, jnp.add)
             return (add(grads_acc, g), ms, add(sums_acc, s)), None
 
