@@ -118,9 +118,20 @@ def train_classifier(config, data: dict, model: tuple) -> dict[str, float]:
         mesh=jddp.data_mesh(),
         eval_fn=models.nnx_eval(graphdef, classification_eval),
         shard_optimizer=config.shard_optimizer,
+        compute_dtype=compute_dtype(config),
     )
     state = dp.init(params, model_state, rng=config.seed)
     return train(dp, state, train_loader, test_loader, config)
+
+
+def compute_dtype(config):
+    """``config.compute_dtype`` as ``DataParallel``'s ``compute_dtype``: None for float32 (the params' own)."""
+    import jax.numpy as jnp
+
+    names = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if config.compute_dtype not in names:
+        raise ValueError(f"`compute_dtype` must be one of {sorted(names)}, got compute_dtype={config.compute_dtype!r}.")
+    return names[config.compute_dtype]
 
 
 def report(result: dict[str, float]) -> None:

@@ -224,8 +224,9 @@ MUTANTS: tuple[Mutant, ...] = (
             _p(
                 f"{STEP}._accumulate",
                 (
-                    "g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i))",
-                    "g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i)); g = self.psum(g, DATA)",
+                    "g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i), scale)",
+                    "g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i), scale); "
+                    "g = self.psum(g, DATA)",
                 ),
             ),
         ),

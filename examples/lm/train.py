@@ -141,6 +141,11 @@ def main(config: Config) -> dict[str, float]:
     corpus = data_lib.load(config.seq_len, test_modulus=config.test_modulus, root=root)
     graphdef, params, model_state = make_model(config)
 
+    if config.steps <= config.warmup_steps:
+        raise ValueError(
+            f"`steps` must be more than `warmup_steps` (the cosine decay follows the warmup), got "
+            f"steps={config.steps}, warmup_steps={config.warmup_steps}; lower warmup_steps or raise steps."
+        )
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps, config.steps)
     dp = jddp.DataParallel(
         models.nnx_loss(graphdef, lambda model, batch, rng: language_model_metrics(forward(model, batch), batch)),

@@ -49,6 +49,7 @@ class Config:
     save_every: int = run_field(0)  # steps between checkpoints (0: only at the end)
     progress: bool = run_field(True)  # progress bar on process 0
     shard_optimizer: bool = run_field(False)  # ZeRO-1: AdamW state split over the devices (a run may switch)
+    compute_dtype: str = "float32"  # the forward and backward pass: float32, bfloat16 or float16 (mixed precision)
 
 
 def load_data(config: Config) -> dict[str, np.ndarray]:
