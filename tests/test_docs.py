@@ -59,7 +59,8 @@ class Block:
 
     def compiled(self):
         """The block as code whose line numbers are the Markdown file's, so tracebacks point into the page."""
-        return compile("\n" * self.line + self.text, str(ROOT / self.page), "exec")
+        # dont_inherit: the block is compiled as a page of its own, not under this module's __future__ imports
+        return compile("\n" * self.line + self.text, str(ROOT / self.page), "exec", dont_inherit=True)
 
 
 def blocks(path: Path) -> list[Block]:
