@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -513,6 +514,7 @@ def test_a_checkpoint_saved_without_its_empty_nodes_is_still_refused_not_set_asi
 
 NO_CLOSE = """
 import sys
+import time
 import jddp
 jddp.simulate_cpu_devices(2)
 import numpy as np, optax
@@ -759,6 +761,33 @@ def test_two_processes_sigterm_save_the_agreed_step_and_resume_bitwise_equal(tmp
     assert f"RESUMED at step {step} attempt 0" in done.stdout
     log = assert_same_run(tmp_path, two_process_reference)
     assert [r["step"] for r in log] == list(range(1, TWO_PROCESS_STEPS + 1))  # continues exactly, nothing repeated
+
+
+@pytest.mark.multiprocess
+def test_a_launcher_killed_mid_run_leaves_a_saved_step_and_no_temporary_folder(tmp_path):
+    """``jddp launch`` SIGKILLed after step 8 (its workers' output then leads nowhere, and its coordination service
+    stops 10 s later): within a watchdog round each process sees its launcher gone, removes the launcher's
+    temporary folder, and takes the preemption path: both save one agreed step and exit 75, before the service
+    stops (JAX would abort them from C++, SIGABRT, with nothing saved)."""
+    env = {"KILL_LAUNCHER_AT": "8", "PREEMPTION_CHECK_S": "0"}
+    killed_at = time.monotonic()
+    done = launch_worker(tmp_path, env=env)
+    assert done.returncode == -signal.SIGKILL, f"{done.stdout}\n{done.stderr}"
+    exits = [tmp_path / f"exit-{p}" for p in (0, 1)]
+    while not all(e.exists() for e in exits) and time.monotonic() - killed_at < 120:
+        time.sleep(0.2)
+    said = [e.read_text().split() for e in exits]
+    assert said[0] == said[1] and said[0][1] == str(exitcodes.EXIT_PREEMPTED), said  # one agreed step, exit 75
+    step = int(said[0][0])
+    assert step >= 8
+    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert saved[-1] == step, saved
+    folders = {Path((tmp_path / f"launch-folder-{p}").read_text()) for p in (0, 1)}
+    assert len(folders) == 1 and next(iter(folders)).name.startswith("jddp-launch-")
+    deadline = time.monotonic() + 30
+    while any(f.exists() for f in folders) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(f.exists() for f in folders), folders
 
 
 def run_worker(out: Path, steps: int, devices: int) -> subprocess.CompletedProcess:

@@ -41,6 +41,17 @@ distributed service detected fatal errors"); JAX 0.10's
 the service in a process of its own (``jddp.runtime.coordinator``): there
 losing process 0 is like losing any other.
 
+Under ``jddp launch`` the watchdog also watches the launcher, its parent: a
+launcher that is gone (SIGKILLed, crashed, its node's agent killed) can
+neither restart the group nor read its output, and its coordination service
+stops ``SERVICE_GRACE_S`` (10 s) later, after which JAX would abort every
+process from C++ (SIGABRT). Within a round, each process says so on stderr,
+removes the launcher's ``jddp-launch-*`` folder (which only the launcher
+reads) and points its output at ``/dev/null`` (the pipes lead nowhere now);
+then, with a ``Checkpointer`` open, it takes the preemption path (every
+process saves the agreed step and exits 75), else it exits 69 naming the
+launcher.
+
 The exit hooks: ``sys.excepthook`` marks this process FAILED (after giving the
 watchdog time to name a lost peer when a collective failed first), and an
 ``atexit`` hook marks it DONE and waits for every peer to finish.
@@ -53,11 +64,13 @@ import contextlib
 import faulthandler
 import os
 import queue
+import shutil
+import signal
 import sys
 import threading
 import time
 
-from jddp import exitcodes
+from jddp import envvars, exitcodes
 from jddp.runtime import jax_internals, progress
 
 MAX_ROUND_S = 1.0  # the longest time between two watchdog rounds, whatever the peer timeout
@@ -86,6 +99,22 @@ def _entries(entries) -> tuple[dict[int, str], str | None]:
     return values, verdict
 
 
+LAUNCH_FOLDER_PREFIX = "jddp-launch-"  # jddp.cli.launch's temporary folder (JDDP_LEDGER_NOTE's parent)
+
+
+def _silence_output() -> None:
+    """Points this process's output (fds 1 and 2, and Python's own stdout pipe under the launcher) at /dev/null: a
+    launcher that is gone reads none of it, and a write to its pipes would raise BrokenPipeError in the script."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    fds = {1, 2}
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            fds.add(stream.fileno())
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.dup2(devnull, fd)
+
+
 def start(client, process_id: int, num_processes: int, coordinator: str | None, peer_timeout_s: float) -> Watchdog:
     """Starts this process's watchdog and installs the exit hooks (once per process)."""
     global _watchdog
@@ -106,6 +135,10 @@ class Watchdog(threading.Thread):
         # A round at most every MAX_ROUND_S: the stall detector names a stall a few rounds after its bound, so
         # T / 10 alone made that delay grow with the peer timeout (bound + 9 to 11 s at T = 30 s).
         self.interval = max(0.05, min(peer_timeout_s / 10, MAX_ROUND_S))
+        # Under jddp launch (which sets JDDP_LEDGER_NOTE for its workers only): the launcher is this process's parent.
+        self.note = envvars.get("JDDP_LEDGER_NOTE")
+        self.launcher = os.getppid() if self.note else None
+        self.launcher_gone = False
         self.state: str | None = None  # None while running, then DONE or FAILED
         self.stopped = threading.Event()
         self.key = f"{ALIVE_PREFIX}{process_id}"
@@ -159,6 +192,8 @@ class Watchdog(threading.Thread):
             # to stderr from a C thread of its own ("Timeout (0:00:30)!"), so the stuck process says where it is.
             _arm_stack_dump(self.peer_timeout_s)
             counter += 1
+            if self.launcher is not None and not self.launcher_gone and os.getppid() != self.launcher:
+                self._launcher_lost()
             try:
                 value = self.state or progress.publish(counter, self.waiting_since is not None)
                 self.call(self.client.key_value_set, self.key, value, allow_overwrite=True)
@@ -296,6 +331,25 @@ class Watchdog(threading.Thread):
             code=exitcodes.EXIT_STALLED,
             mark=STALLED,
         )
+
+    def _launcher_lost(self) -> None:
+        """The launcher (this process's parent) is gone: see the module docstring."""
+        self.launcher_gone = True
+        folder = os.path.dirname(self.note or "")
+        if os.path.basename(folder).startswith(LAUNCH_FOLDER_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)
+        message = (
+            f"jddp: process {self.process_id} of {self.num_processes}: its launcher (pid {self.launcher}, "
+            "jddp launch) is gone: nothing will restart this group or read its output"
+        )
+        with contextlib.suppress(OSError):
+            os.write(2, (message + "; ").encode())
+        _silence_output()
+        handler = signal.getsignal(signal.SIGTERM)
+        if callable(handler):  # a Checkpointer's preemption handler: every process saves the agreed step, exits 75
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self._end(f"lost its launcher (pid {self.launcher}, jddp launch): killed or crashed")
 
     def _end(self, reason: str, *, shutdown: bool = False) -> None:
         """A running process exits with 69; one that is exiting already (DONE) stops waiting for its peers."""

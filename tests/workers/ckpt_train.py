@@ -12,6 +12,9 @@ pauses for TERM_PAUSE seconds (default 0), so that the notice reaches every proc
 run still has steps to go. A process stopped by preemption prints its step before exiting.
 PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1). RAISE_AT=step makes process 0
 raise right after that step's ``maybe_save`` in attempt 0 (an unhandled exception while its async save is written).
+KILL_LAUNCHER_AT=step makes process 0 SIGKILL its parent (``jddp launch``) after that step, then go on; every
+process writes DIR/launch-folder-<process> (the launcher's temporary folder) at its start and DIR/exit-<process>
+(its step and exit code) when preemption stops it: its output then leads nowhere.
 """
 
 import json
@@ -71,6 +74,10 @@ ckpt = jddp.Checkpointer(
 )
 state, loader = ckpt.restore_or_init(state, loader)
 step = int(state.step)
+kill_launcher_at = int(os.environ.get("KILL_LAUNCHER_AT", "-1"))
+if os.environ.get("JDDP_LEDGER_NOTE"):
+    with open(os.path.join(out, f"launch-folder-{jax.process_index()}"), "w") as f:
+        f.write(os.path.dirname(os.environ["JDDP_LEDGER_NOTE"]))
 if jax.process_index() == 0:
     print(f"RESUMED at step {step} attempt {attempt}", flush=True)
 log = open(os.path.join(out, "consumed.jsonl"), "a") if jax.process_index() == 0 else None
@@ -85,6 +92,8 @@ while step < steps:
             log.flush()
         if attempt < len(kills) and step == kills[attempt] and jax.process_index() == killer:
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == kill_launcher_at and jax.process_index() == 0:
+            os.kill(os.getppid(), signal.SIGKILL)
         if step == term_at and jax.process_index() == killer and attempt == 0:
             os.kill(os.getppid() if term_to == "launcher" else os.getpid(), signal.SIGTERM)
             # Until this process's own handler saw it (forwarded by the launcher, or sent to itself): no race.
@@ -93,6 +102,8 @@ while step < steps:
         try:
             ckpt.maybe_save(state, loader)
         except SystemExit as stop:
+            with open(os.path.join(out, f"exit-{jax.process_index()}"), "w") as f:
+                f.write(f"{step} {stop.code}")
             print(f"PREEMPTED process {jax.process_index()} at step {step}, exit {stop.code}", flush=True)
             raise
         if step == int(os.environ.get("RAISE_AT", "-1")) and jax.process_index() == 0 and attempt == 0:
