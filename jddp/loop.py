@@ -157,6 +157,10 @@ def fit(
     validate.check_int("eval_every", eval_every, optional=True)
     validate.check_int("log_every", log_every, optional=True)
     validate.check_int("replica_check_every", replica_check_every, optional=True)
+    validate.check_bool("progress", progress)
+    log_dir = validate.check_path("log_dir", log_dir, optional=True)  # "" would write into the working directory
+    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ValueError(f"`log_dir` must be a directory (created if missing), got log_dir={log_dir!r}: a file.")
     if eval_every is not None and eval_loader is None:
         raise ValueError(f"`eval_every={eval_every}` needs an `eval_loader`; pass one or drop `eval_every`.")
     if skip_steps is not None:
@@ -186,6 +190,12 @@ def _check_args(dp, state, train_loader, eval_loader, checkpointer) -> None:
     for name, value, kind, what in expected:
         if not isinstance(value, kind):
             raise TypeError(f"`{name}` must be a {what}, got {type(value).__name__}.")
+    if not isinstance(state.step, jax.Array) or state.step.is_deleted():
+        what = "deleted (donated to a later step)" if isinstance(state.step, jax.Array) else "a host copy"
+        raise TypeError(
+            f"`state` must hold live jax.Arrays on the devices, got a state whose step is {what}. Pass the "
+            "TrainState from `dp.init` (or the one the last step returned)."
+        )
     if eval_loader is not None and eval_loader.sampler.drop_last:
         raise ValueError(
             "`eval_loader` drops the last partial batch (drop_last=True), so evaluation would skip examples. "

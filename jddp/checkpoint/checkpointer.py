@@ -106,13 +106,22 @@ class Checkpointer:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not (low <= value < float("inf")):
                 raise ValueError(f"`{name}` must be a finite number >= {low}, got {name}={value!r}.")
-        if not isinstance(read_only, bool):
-            raise TypeError(f"`read_only` must be True or False, got read_only={read_only!r}.")
+        for name, value in (
+            ("read_only", read_only),
+            ("allow_config_change", allow_config_change),
+            ("async_save", async_save),
+            ("exit_on_preemption", exit_on_preemption),
+        ):
+            validate.check_bool(name, value)
+        validate.check_int("timeout_s", timeout_s, fix="A number of seconds for an async save to finish.")
+        if isinstance(directory, str | os.PathLike) and os.fspath(directory).strip():
+            directory = validate.check_path("directory", directory)  # "~/x" expanded, "~nobody/x" refused
         if read_only and save_every is not None:
             raise ValueError(
                 f"A read-only Checkpointer never saves, got save_every={save_every}. Drop save_every, or open it "
                 "for writing."
             )
+        fingerprint = digest.config_fingerprint(config)  # a config it cannot read: refused before the directory
         self.directory = storage.resolve(directory)
         self.read_only = read_only
         self._lease: lease.Lease | None = None
@@ -121,7 +130,7 @@ class Checkpointer:
             storage.check_writable(self.directory, probe=jax.process_index() != 0 or storage.is_remote(self.directory))
             self._lease = lease.take(self.directory, float(lease_timeout_s))
         self.save_every, self.max_to_keep = save_every, max_to_keep
-        self.fingerprint, self.config = digest.config_fingerprint(config)
+        self.fingerprint, self.config = fingerprint
         self.allow_config_change = allow_config_change
         self.exit_on_preemption = exit_on_preemption
         self.preempted = False
@@ -224,8 +233,8 @@ class Checkpointer:
                 f"This Checkpointer of {str(self.directory)!r} is read-only (read_only=True): it never saves. Open "
                 "one without read_only in the training run."
             )
-        if not isinstance(state, TrainState):
-            raise TypeError(f"`state` must be a jddp.TrainState, got {type(state).__name__}.")
+        _check_state(state, "")
+        validate.check_bool("wait", wait)
         if loader is not None and not callable(getattr(loader, "get_state", None)):
             raise TypeError(
                 f"`loader` must be a jddp.data.DataLoader (something with get_state), got {type(loader).__name__}."
@@ -354,6 +363,7 @@ class Checkpointer:
             unless ``exit_on_preemption=False``.
         """
         self._check_open("save")
+        _check_state(state, "")
         if self._step is None:
             self._step = int(jax.device_get(state.step))
         else:
@@ -442,8 +452,7 @@ class Checkpointer:
             ``allow_config_change``), or another data setup (the loader says which).
         """
         self._check_open("restore")
-        if not isinstance(state, TrainState):
-            raise TypeError(f"`state` must be a jddp.TrainState from DataParallel.init, got {type(state).__name__}.")
+        _check_state(state, " from DataParallel.init")
         if loader is not None and not callable(getattr(loader, "set_state", None)):
             raise TypeError(
                 f"`loader` must be a jddp.data.DataLoader (something with set_state), got {type(loader).__name__}."
@@ -541,6 +550,21 @@ def _close_at_exit(ref: weakref.ref) -> None:
         ckpt.close()
     except Exception as error:  # at exit nobody can catch it: say it
         print(f"jddp: the Checkpointer of {str(ckpt.directory)!r} failed to close at exit: {error}", file=sys.stderr)
+
+
+def _check_state(state, source: str) -> None:
+    """``state`` a TrainState whose leaves are live jax.Arrays (not a NumPy copy, not donated)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"`state` must be a jddp.TrainState{source}, got {type(state).__name__}.")
+    # The step counter stands for the state (donated with it, on the devices with it): checking it alone does not
+    # flatten the parameters at every maybe_save.
+    if not isinstance(state.step, jax.Array):
+        raise TypeError(
+            f"`state` must hold jax.Arrays on the devices, got state.step of type {type(state.step).__name__} (a "
+            f"host copy?). Pass the TrainState{source or ' from DataParallel.step'} itself."
+        )
+    if state.step.is_deleted():
+        raise ValueError("`state` was donated to a later step: its arrays are deleted. Pass the state step returned.")
 
 
 def _check_stateful(name: str, value, method: str) -> None:

@@ -111,6 +111,7 @@ class DistributedBatchSampler:
         _check_int("global_batch_size", global_batch_size, 1, "use a positive batch size")
         _check_int("num_replicas", num_replicas, 1, "use at least one replica")
         _check_int("seed", seed, 0, "use a non-negative seed")
+        _check_int("rank", rank, 0, "ranks count from 0")
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(value, bool | np.bool_):
                 raise TypeError(f"`{name}` must be True or False, got {name}={value!r}.")
@@ -192,6 +193,7 @@ class DistributedBatchSampler:
 
     def order(self, epoch: int) -> np.ndarray:
         """The global order of ``epoch``: a permutation of the dataset's indices."""
+        _check_int("epoch", epoch, 0, "epochs count from 0")
         if self._order_cache is None or self._order_cache[0] != epoch:
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
@@ -202,10 +204,12 @@ class DistributedBatchSampler:
 
     def global_batch(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(indices, mask, order)`` of the global batch at ``position``, all replicas."""
+        _check_int("position", position, 0, "positions count from 0")
         return tuple(a[0] for a in self._block(position, 1, 0, self.global_batch_size))
 
     def local_batch(self, position: int) -> LocalBatch:
         """This replica's slice of the global batch at ``position``."""
+        _check_int("position", position, 0, "positions count from 0")
         indices, mask, places = self.local_block(position, 1)
         return LocalBatch(position, position // len(self), indices[0], mask[0], places[0])
 
@@ -219,7 +223,9 @@ class DistributedBatchSampler:
         Raises:
           ValueError: if the batches run past the end of ``position``'s epoch.
         """
-        if count < 1 or position % len(self) + count > len(self):
+        _check_int("position", position, 0, "positions count from 0")
+        _check_int("count", count, 1, "read at least one batch")
+        if position % len(self) + count > len(self):
             raise ValueError(
                 f"A block must lie inside one epoch of {len(self)} batches, got position={position}, "
                 f"count={count}; split it at the epoch boundary."

@@ -106,11 +106,19 @@ def host_all_reduce(value: Any, op: Literal["sum", "mean", "max", "min"] = "sum"
 
 def _exchange(kind: str, value: Any, timeout_s: float, only_from: int | None = None) -> list[Any]:
     """Every process's ``value`` (or only process ``only_from``'s, first in the list), checked for agreement."""
-    if not (isinstance(timeout_s, int | float) and timeout_s > 0):
-        raise ValueError(f"{kind}: timeout_s={timeout_s!r} must be a positive number of seconds.")
+    number = isinstance(timeout_s, int | float | np.integer | np.floating) and not isinstance(timeout_s, bool)
+    if not (number and 0 < timeout_s < float("inf")):  # inf or nan passed `> 0` and reached the coordinator
+        raise ValueError(f"{kind}: timeout_s={timeout_s!r} must be a positive number of seconds, finite.")
     client = jax_internals.distributed_client()
     group = distributed.group()
     if client is None or group is None:
+        try:  # alone, the value is not sent: refused all the same when it could not be, as in a group
+            pickle.dumps(value)
+        except Exception as error:
+            raise TypeError(
+                f"{kind}: `value` must be picklable (it is sent to the other processes), got value of type "
+                f"{type(value).__name__}: {error}. Send plain data (numbers, strings, arrays, lists, dicts)."
+            ) from None
         return [value]
     global _calls
     _calls += 1

@@ -50,7 +50,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jddp import envvars, exitcodes
+from jddp import envvars, exitcodes, validate
 
 WINDOW = 256  # recent tick intervals the bound is learned from
 # Phases with a learned length: their time counts into tick intervals. Any other phase (setup, compile,
@@ -163,6 +163,7 @@ def heartbeat(step: int | None = None) -> None:
 
     ``DataParallel.step`` does this itself; call it once per step in a loop that steps with its own code.
     """
+    validate.check_int("step", step, minimum=0, optional=True)
     PROGRESS.tick(step)
 
 
@@ -182,7 +183,8 @@ class phase:  # lower case: used like a function, `with jddp.phase("export"):`
     __slots__ = ("name", "previous", "since")
 
     def __init__(self, name: str):
-        self.name = str(name)
+        validate.check_str("name", name)
+        self.name = name
 
     def __enter__(self) -> None:
         p = PROGRESS
