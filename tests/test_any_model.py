@@ -357,3 +357,60 @@ def test_an_error_in_user_code_shows_the_users_arrays_not_the_packed_batch():
     note = "\n".join(getattr(error.value, "__notes__", []))
     assert "['x']: float32[4, 6, 3], ['y']: int32[4]" in note, note
     assert "uint8" not in note, note
+
+
+class EqxBN(eqx.Module):
+    """Equinox's stateful BatchNorm as Equinox's docs write it (``make_with_state``, a vmapped batch axis), its
+    statistics synchronised over the devices too by naming jddp's axis beside the batch's."""
+
+    l1: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    l2: eqx.nn.Linear
+
+    def __init__(self, key, axis_name):
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(SEQ * FEAT, HID, key=k1)
+        self.bn = eqx.nn.BatchNorm(HID, axis_name=axis_name, mode="ema")  # its first_time flag: a constant
+        self.l2 = eqx.nn.Linear(HID, OUT, key=k2)
+
+    def __call__(self, x, state):
+        h, state = self.bn(jax.nn.relu(self.l1(x.reshape(-1))), state)
+        return self.l2(h), state
+
+
+def test_equinox_batchnorm_trains_like_plain_jit():
+    """``State.set`` compares the new value's ``eval_shape`` with the old one's: inside ``shard_map`` an argument
+    carried the manual mesh's sharding and a constant none, and Equinox refused the update ("Old and new values
+    have different structures/shapes/dtypes ... bool[] and ... bool[]"). jddp traces the loss as plain jit would."""
+    data = batches(4)
+    model, state = eqx.nn.make_with_state(EqxBN)(jax.random.key(5), ("batch", jddp.DATA_AXIS))
+    ref_model, ref_state = eqx.nn.make_with_state(EqxBN)(jax.random.key(5), "batch")
+    static, params, model_state = models.eqx_split(model, state)
+    ref_static, ref_params, _ = models.eqx_split(ref_model, ref_state)
+
+    def forward(model, state, x):
+        return jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+    def fn(model, state, batch, key):
+        logits, state = forward(model, state, batch["x"])
+        return xent(logits, batch), state
+
+    dp = jddp.DataParallel(models.eqx_loss(static, fn), optax.sgd(LR), mesh=jddp.data_mesh())
+    train = dp.init(params, model_state=model_state, rng=0)
+    for b in data:
+        train, _ = dp.step(train, b)
+
+    @jax.jit
+    def plain_step(params, state, batch):
+        def loss(p):
+            logits, new_state = forward(eqx.combine(p, ref_static), state, batch["x"])
+            return xent(logits, batch), new_state
+
+        (_, state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return jax.tree.map(lambda w, g: w - LR * g, params, grads), state
+
+    ref_model_state = ref_state
+    for b in data:
+        ref_params, ref_model_state = plain_step(ref_params, ref_model_state, b)
+    assert max_diff(jddp.models.to_host(train.params), ref_params) < 1e-5
+    assert max_diff(jddp.models.to_host(train.model_state), ref_model_state) < 1e-5

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 from jax import lax
 
 from jddp import runtime
@@ -46,8 +47,14 @@ DATA = runtime.DATA_AXIS
 _DRAWS = frozenset({"random_bits", "random_split"})
 
 
-def per_example(fn: Callable, rows: int, total: int, axis: str = DATA) -> Callable:
-    """``fn`` with its per-example random draws made for the global batch and sliced to this device's rows.
+def per_example(fn: Callable, rows: int, total: int, axis: str = DATA, *, draws: bool = True) -> Callable:
+    """``fn`` traced as under plain ``jit``, and with ``draws`` its per-example random draws made for the global
+    batch and sliced to this device's rows.
+
+    ``fn`` is traced on abstract values without the manual mesh's sharding (with ``axis`` in its axis
+    environment, for the model's own collectives), so that it sees the arrays plain ``jit`` would give it: a
+    library that compares an argument's ``jax.eval_shape`` with a constant's (Equinox's ``State.set``, in
+    ``eqx.nn.BatchNorm``) accepts them. The jaxpr is then evaluated in the device program.
 
     Args:
       fn: a function traced inside ``shard_map`` over ``axis``, given this device's ``rows`` of a global batch of
@@ -55,24 +62,33 @@ def per_example(fn: Callable, rows: int, total: int, axis: str = DATA) -> Callab
       rows: the rows of the batch ``fn`` sees.
       total: the rows of the global batch.
       axis: the mesh axis the batch is split over.
+      draws: rewrite the per-example random draws (``DataParallel(rng="example")``); else only trace.
 
     Returns:
       A function of the same arguments and results.
     """
-    if rows == total:  # one device: nothing to change
-        return fn
 
     @functools.wraps(fn)
     def wrapped(*args):
-        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        leaves = jax.tree.leaves(args)
+        abstract = jax.tree.unflatten(
+            jax.tree.structure(args), [jax.ShapeDtypeStruct(jnp.shape(x), _dtype(x)) for x in leaves]
+        )
+        # Outside the device program's manual mesh: the values fn makes carry no mesh sharding either.
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            closed, shapes = jax.make_jaxpr(fn, axis_env=[(axis, total // rows)], return_shape=True)(*abstract)
         rewrite = _Rewrite(rows, total, axis)
-        if not rewrite.draws(closed.jaxpr):
-            outs = jex.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+        if not draws or rows == total or not rewrite.draws(closed.jaxpr):
+            outs = jex.core.jaxpr_as_fun(closed)(*leaves)
         else:
-            outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+            outs = rewrite.eval(closed.jaxpr, closed.consts, leaves)
         return jax.tree.unflatten(jax.tree.structure(shapes), list(outs))
 
     return wrapped
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
 
 
 class _Rewrite:

@@ -135,12 +135,11 @@ class DeviceStep:
         return key if self.options.rng == "example" else jax.random.fold_in(key, lax.axis_index(DATA))
 
     def _loss(self, fn, batch):
-        """``fn`` (the loss or eval function) for this device's ``batch``: with ``rng="example"``, each draw along
-        the batch's leading axis is the one its examples get on one device (``jddp.engine.rng``)."""
-        if self.options.rng != "example":
-            return fn
+        """``fn`` (the loss function) for this device's ``batch``, traced as under plain jit; with
+        ``rng="example"``, each draw along the batch's leading axis is the one its examples get on one device
+        (``jddp.engine.rng``)."""
         rows = leading_size(batch)
-        return rng_lib.per_example(fn, rows, rows * self.num_devices)
+        return rng_lib.per_example(fn, rows, rows * self.num_devices, draws=self.options.rng == "example")
 
     def _narrow(self) -> bool:
         """Whether ``reduce_dtype`` is a float of narrow range (float16: 65504), where a sum of gradients over
