@@ -380,3 +380,16 @@ def test_batch_size_arguments_exactly_one_of_the_two(kwargs, match):
         jddp.data.DataLoader(source(), **kwargs)
     if "both" in match or "neither" in match:  # names both, and the fix
         assert "`global_batch_size`" in str(error.value) and "`per_device_batch_size`" in str(error.value)
+
+
+def test_steps_converts_epochs_to_the_steps_every_setting_counts():
+    data = {"x": np.zeros((160, 3), np.float32)}
+    loader = jddp.data.DataLoader(data, global_batch_size=16, seed=0)
+    assert (loader.steps(epochs=3), loader.steps(epochs=0.5), loader.steps(epochs=1)) == (30, 5, len(loader))
+    padded = jddp.data.DataLoader(data, global_batch_size=48, seed=0, drop_last=False)  # 4 steps, the last padded
+    assert padded.steps(epochs=2) == 8
+    for bad in (0, -1, float("nan"), float("inf"), "2", True, None):
+        with pytest.raises(ValueError, match=r"`epochs` must be a positive number of epochs, got epochs="):
+            loader.steps(epochs=bad)
+    with pytest.raises(ValueError, match=r"less than one step of this loader \(10 steps per epoch\)"):
+        loader.steps(epochs=0.01)

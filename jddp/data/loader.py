@@ -432,6 +432,32 @@ class DataLoader:
         """Global batches per epoch."""
         return len(self.sampler)
 
+    def steps(self, epochs: float) -> int:
+        """Training steps (global batches) in ``epochs`` epochs: for ``Checkpointer(save_every=...)``, ``fit``'s
+        ``eval_every`` and the other ``*_every`` settings, which count steps, where a PyTorch script counts epochs.
+
+        Raises:
+          ValueError: ``epochs`` not a positive finite number, or fewer than one step.
+
+        Example:
+          >>> import numpy as np, jddp
+          >>> loader = jddp.data.DataLoader({"x": np.zeros((160, 3), np.float32)}, global_batch_size=16, seed=0)
+          >>> loader.steps(epochs=2), loader.steps(epochs=0.5)
+          (20, 5)
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, int | float) or not np.isfinite(epochs) or epochs <= 0:
+            raise ValueError(
+                f"`epochs` must be a positive number of epochs, got epochs={epochs!r}; for example "
+                f"loader.steps(epochs=2) is {2 * len(self)} steps of this loader."
+            )
+        steps = round(epochs * len(self))
+        if steps < 1:
+            raise ValueError(
+                f"epochs={epochs!r} is less than one step of this loader ({len(self)} steps per epoch); use at least "
+                f"epochs={1 / len(self):.3g}."
+            )
+        return steps
+
     @property
     def epoch(self) -> int:
         """The epoch of the next batch."""
