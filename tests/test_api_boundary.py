@@ -279,6 +279,7 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.data.DataLoader.close": lambda c: Call(c.loader().close, {}),
     "jddp.data.DataLoader.examples_at": lambda c: closing((k := c.loader()).examples_at, k, step=1),
     "jddp.data.DataLoader.set_epoch": lambda c: closing((k := c.loader()).set_epoch, k, epoch=1),
+    "jddp.data.DataLoader.steps": lambda c: closing((k := c.loader()).steps, k, epochs=2),
     "jddp.data.DataLoader.get_state": lambda c: closing((k := c.loader()).get_state, k),
     "jddp.data.DataLoader.local_batches": lambda c: closing((k := c.loader()).local_batches, k),
     "jddp.data.DataLoader.set_state": lambda c: closing((k := c.loader()).set_state, k, state=c.loader().get_state()),
