@@ -288,7 +288,7 @@ def _convert(value: Any, classes: dict[type, type]) -> Any:
         return value if target is type(value) and all(items[k] is getattr(value, k) for k in items) else target(**items)
     if isinstance(value, list):
         return [_convert(v, classes) for v in value]
-    if type(value) is tuple:
+    if isinstance(value, tuple) and type(value) is tuple:  # not a NamedTuple
         return tuple(_convert(v, classes) for v in value)
     if isinstance(value, dict):
         return {k: _convert(v, classes) for k, v in value.items()}
@@ -467,7 +467,7 @@ def _field_type(schema: type, key: str) -> Any:
             continue
         if not dataclasses.is_dataclass(current):
             return None
-        hints = _hints(current)
+        hints = _hints(typing.cast(type, current))
         if part not in hints:
             return None
         current = hints[part]

@@ -115,7 +115,7 @@ class Checkpointer:
             validate.check_bool(name, value)
         validate.check_int("timeout_s", timeout_s, fix="A number of seconds for an async save to finish.")
         if isinstance(directory, str | os.PathLike) and os.fspath(directory).strip():
-            directory = validate.check_path("directory", directory)  # "~/x" expanded, "~nobody/x" refused
+            directory = str(validate.check_path("directory", directory))  # "~/x" expanded, "~nobody/x" refused
         if read_only and save_every is not None:
             raise ValueError(
                 f"A read-only Checkpointer never saves, got save_every={save_every}. Drop save_every, or open it "

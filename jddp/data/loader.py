@@ -293,7 +293,7 @@ def source_size(source) -> int:
         ) from None
 
 
-def _global_batch_size(global_batch_size: Any, per_device_batch_size: Any, devices: int) -> Any:
+def _global_batch_size(global_batch_size: Any, per_device_batch_size: Any, devices: int) -> int:
     """The global batch size from exactly one of the two arguments."""
     if (global_batch_size is None) == (per_device_batch_size is None):
         which = "both" if global_batch_size is not None else "neither"
