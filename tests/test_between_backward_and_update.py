@@ -123,3 +123,23 @@ def test_compute_dtype_float16_scales_the_loss_and_halves_the_scale_on_overflow(
 def test_float16_compute_needs_the_nonfinite_guard():
     with pytest.raises(ValueError, match=r"`compute_dtype=float16` scales the loss .* not 'ignore'"):
         setup(compute_dtype=jnp.float16, nonfinite="ignore")
+
+
+@pytest.mark.parametrize("name", list(models.FACTORIES))
+def test_compute_dtype_on_every_kind_of_model(name):
+    """The policy casts whatever float leaves the params and batch hold: a plain pytree, Flax Linen and NNX (with
+    SyncBatchNorm) and Equinox train in bfloat16 with float32 params and model state, near float32's step."""
+    model = models.FACTORIES[name]()
+    b = models.batch(64)
+    losses, states = {}, {}
+    for dtype in (None, jnp.bfloat16):
+        dp = jddp.DataParallel(model.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(), compute_dtype=dtype)
+        state, metrics = dp.step(dp.init(model.params, model.model_state, rng=0), b)
+        losses[dtype], states[dtype] = metrics["loss"], state
+    new = states[jnp.bfloat16]
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
+    floats = [x for x in jax.tree.leaves(new.model_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert all(x.dtype == jnp.float32 for x in floats)
+    assert abs(losses[jnp.bfloat16] - losses[None]) < 2e-2 * abs(losses[None])
+    assert losses[jnp.bfloat16] != losses[None]  # the forward pass did run in bfloat16
+    assert models.max_diff(jddp.models.to_host(new.params), jddp.models.to_host(states[None].params)) < 5e-2
