@@ -122,11 +122,27 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
         else:
             _check_readable(schema, key, value)
             overrides.append(arg)
+    keys = [str(arg).partition("=")[0] for arg in overrides]
+    for outer in keys:
+        inner = next((k for k in keys if k.startswith(outer + ".")), None)
+        if inner is not None:
+            raise ConfigError(
+                f"Config keys `{outer}` and `{inner}` both given on the {COMMAND_LINE}: `{inner}` is inside `{outer}`, "
+                f"which the other argument replaces whole. Give one of the two."
+            )
     merged = _structured(schema)
     if path is not None:
         merged = _merge(schema, merged, _load(path), source=str(path))
     if overrides:
-        merged = _merge(schema, merged, OmegaConf.from_dotlist(overrides), source=COMMAND_LINE)
+        try:
+            dotlist = OmegaConf.from_dotlist(overrides)
+        except (oc_errors.OmegaConfBaseException, ValueError, TypeError) as error:
+            key = getattr(error, "full_key", None) or keys[0]
+            raise ConfigError(
+                f"Config key `{key}` on the {COMMAND_LINE} cannot be read ({_sources(path, overrides)}): "
+                f"{_first_line(error)}."
+            ) from None
+        merged = _merge(schema, merged, dotlist, source=COMMAND_LINE)
     try:
         instance = _convert(OmegaConf.to_object(merged), _ORIGINALS)
     except oc_errors.MissingMandatoryValue as error:
@@ -454,8 +470,14 @@ def _keys(cfg: DictConfig, prefix: str = "") -> list[str]:
 
 
 def _get(cfg: DictConfig, key: str) -> Any:
-    value = OmegaConf.select(cfg, key, throw_on_missing=False)
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    try:
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+    except oc_errors.OmegaConfBaseException:  # an interpolation that does not resolve (`${nope}`): its text
+        raw: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        return raw
+    return OmegaConf.to_container(value, resolve=False) if OmegaConf.is_config(value) else value
 
 
 def _field_type(schema: type, key: str) -> Any:
