@@ -90,6 +90,8 @@ def test_compute_dtype_bfloat16_computes_in_bfloat16_and_keeps_float32_state():
 def test_compute_dtype_must_be_a_float_dtype():
     with pytest.raises(ValueError, match=r"`compute_dtype` must be a float dtype .* got compute_dtype=<class"):
         setup(compute_dtype=jnp.int8)
+    with pytest.raises(ValueError, match=r"`compute_dtype` must be a float dtype .* got compute_dtype='x'"):
+        setup(compute_dtype="x")  # NumPy's own TypeError before
 
 
 def test_compute_dtype_float16_scales_the_loss_and_halves_the_scale_on_overflow():

@@ -71,9 +71,7 @@ class Options:
             )
         if not isinstance(self.local_metrics, bool):
             raise ValueError(f"`local_metrics` must be True or False, got local_metrics={self.local_metrics!r}.")
-        if self.compute_dtype is not None and not (
-            isinstance(self.compute_dtype, type | np.dtype | str) and jnp.issubdtype(self.compute_dtype, jnp.floating)
-        ):
+        if self.compute_dtype is not None and not _is_float_dtype(self.compute_dtype):
             raise ValueError(
                 "`compute_dtype` must be a float dtype such as jnp.bfloat16 (the forward and backward pass in it, "
                 f"params and optimizer state kept in theirs) or None, got compute_dtype={self.compute_dtype!r}."
@@ -210,6 +208,17 @@ def describe(x) -> str:
             hint += "passed in unchanged if the model has none)"
         return f"a tuple of {len(x)} ({inner}{', ...' if len(x) > 3 else ''}){hint}"
     return f"{type(x).__name__} {getattr(x, 'shape', '')}".strip()
+
+
+def _is_float_dtype(value) -> bool:
+    """Whether ``value`` names a floating dtype (``jnp.bfloat16``, ``"float16"``); False for anything NumPy cannot
+    read as a dtype."""
+    if not isinstance(value, type | np.dtype | str):
+        return False
+    try:
+        return bool(jnp.issubdtype(value, jnp.floating))
+    except TypeError:
+        return False
 
 
 def unpack_hook(out, grads) -> tuple[Any, dict]:
