@@ -595,9 +595,6 @@ KILLS_THE_PROCESS: dict[str, str] = {
 # is an expected failure (strict): when its findings are fixed it passes, and the entry must go.
 PENDING: dict[str, str] = {
     # files being edited by others right now (see the report of the change that added this test)
-    "jddp.initialize": "jddp/runtime/distributed.py: _Settings.resolve: validate.check_int/check_bool/check_number "
-    "on num_processes, process_id, local_devices, verbose, *_timeout_s; coordinator/bind_address check_str",
-    "jddp.barrier": "jddp/runtime/distributed.py: barrier: validate.check_str('name') and check_number('timeout_s')",
     "jddp.config.parse": "jddp/config.py: argv must be a list of str, path check_path, schema a dataclass type",
     "jddp.config.save": "jddp/config.py: path via validate.check_path before writing; config checked first",
     "jddp.config.run_field": "jddp/config.py: default must be a str or None",

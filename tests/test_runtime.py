@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -81,3 +82,30 @@ def test_cli_info_console_script_in_fresh_process():
         check=True,
     )
     assert "global_devices: 2" in out.stdout and "process_count: 1" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"verbose": "no"}, TypeError, r"`verbose` must be True or False, got verbose='no'"),
+        ({"shutdown_timeout_s": -1.0}, ValueError, r"`shutdown_timeout_s` must be a finite number > 0.0 \(seconds\)"),
+        ({"local_devices": 2.5}, ValueError, r"`local_devices` must be an int >= 1 or None, got local_devices=2.5"),
+        ({"bind_address": b"x"}, TypeError, r"`bind_address` must be a non-empty str or None"),
+    ],
+    ids=["verbose", "shutdown_timeout_s", "local_devices", "bind_address"],
+)
+def test_initialize_refuses_a_wrong_argument_before_taking_the_launchers_stdout(monkeypatch, kwargs, error, match):
+    """``initialize`` checks its arguments before it does anything: here, before it takes over the stdout pipe that
+    ``jddp launch`` passes in ``JDDP_STDOUT_FD`` (which it reads once and removes from the environment)."""
+    monkeypatch.setenv("JDDP_STDOUT_FD", "987")
+    with pytest.raises(error, match=match):
+        jddp.initialize(**kwargs)
+    assert os.environ.get("JDDP_STDOUT_FD") == "987"  # left for a corrected call to take
+
+
+def test_barrier_refuses_a_wrong_timeout_even_alone():
+    """In a single process ``barrier`` is a no-op, yet a wrong timeout is refused there too, not first in a group."""
+    with pytest.raises(ValueError, match=r"`timeout_s` must be a finite number > 0.0 \(seconds\), got timeout_s=inf"):
+        jddp.barrier("ready", timeout_s=float("inf"))
+    with pytest.raises(TypeError, match=r"`name` must be a non-empty str, got name=''"):
+        jddp.barrier("")

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 
-from jddp import envvars, net
+from jddp import envvars, net, validate
 from jddp.runtime import compile_cache, jax_internals, mesh, progress, watchdog
 from jddp.runtime import coordinator as coordinator_lib
 
@@ -268,10 +268,22 @@ def initialize(
     Raises:
       RuntimeError: if the JAX backend already started (initialise first).
       ValueError: for inconsistent or malformed settings (the message names them).
+      TypeError: for a ``coordinator``, ``bind_address`` or ``verbose`` of the wrong type (named).
       TimeoutError: if the coordinator cannot be reached within ``init_timeout_s``.
       OSError: if process 0 finds the coordinator port already in use.
     """
     global _group
+    _check_arguments(
+        coordinator=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_devices=local_devices,
+        init_timeout_s=init_timeout_s,
+        peer_timeout_s=peer_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+        bind_address=bind_address,
+        verbose=verbose,
+    )
     _own_stdout()
     if _group is not None:
         return _group
@@ -302,6 +314,31 @@ def initialize(
         )
         announce_topology()
     return _group
+
+
+def _check_arguments(
+    *,
+    coordinator: object,
+    num_processes: object,
+    process_id: object,
+    local_devices: object,
+    init_timeout_s: object,
+    peer_timeout_s: object,
+    shutdown_timeout_s: object,
+    bind_address: object,
+    verbose: object,
+) -> None:
+    """``initialize``'s own arguments, each checked by name before anything starts (the environment's values are
+    checked by ``jddp.envvars`` when read)."""
+    validate.check_str("coordinator", coordinator, optional=True)
+    validate.check_int("num_processes", num_processes, optional=True)
+    validate.check_int("process_id", process_id, minimum=0, optional=True)
+    validate.check_int("local_devices", local_devices, optional=True)
+    validate.check_number("init_timeout_s", init_timeout_s, optional=True, unit="seconds")
+    validate.check_number("peer_timeout_s", peer_timeout_s, optional=True, unit="seconds")
+    validate.check_number("shutdown_timeout_s", shutdown_timeout_s, unit="seconds")
+    validate.check_str("bind_address", bind_address, optional=True)
+    validate.check_bool("verbose", verbose)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,10 +542,17 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
     A no-op in a single process.
 
     Raises:
+      TypeError: ``name`` is not a non-empty str.
+      ValueError: ``name`` holds '/', or ``timeout_s`` is not a positive finite number of seconds.
       TimeoutError: after ``timeout_s``, naming the processes that did not arrive.
     """
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ValueError(f"barrier name={name!r} must be a non-empty string without '/'.")
+    validate.check_str("name", name)
+    if "/" in name:
+        raise ValueError(
+            f"barrier name={name!r} must be a non-empty string without '/' (the name is part of a key of the "
+            "coordination service); use another separator, e.g. '-'."
+        )
+    validate.check_number("timeout_s", timeout_s, unit="seconds")
     client = jax_internals.distributed_client()
     if client is None:
         return
