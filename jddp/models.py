@@ -49,18 +49,95 @@ replica, with no communication. A module built with ``axis_name="data"``
 
 from __future__ import annotations
 
+import sys
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jddp import typing as jt
+from jddp import validate
 from jddp.engine import reduce
 from jddp.runtime import state as state_lib
+
+# The three libraries the adapters take, and each one's adapters: an object of another library is refused naming
+# the library given, the one expected and the adapters that take it.
+LIBRARIES = {"nnx": "Flax NNX", "linen": "Flax Linen", "eqx": "Equinox"}
+ADAPTERS = {
+    "nnx": "nnx_split, nnx_loss, nnx_eval, nnx_module",
+    "linen": "linen_split, linen_loss, linen_variables",
+    "eqx": "eqx_split, eqx_loss, eqx_eval, eqx_module",
+}
+GRAPHDEF_PART = "the graphdef of jddp.models.nnx_split"
+STATIC_PART = "the static part of jddp.models.eqx_split (an eqx.Module)"
+
+
+def _library_of(value: Any) -> str | None:
+    """``"nnx"``, ``"linen"`` or ``"eqx"`` for a model (or an NNX graphdef, an Equinox static part) of that library,
+    else None. Equinox is only looked for when it is imported: an object of it cannot exist otherwise."""
+    if isinstance(value, nnx.Module | nnx.GraphDef):
+        return "nnx"
+    if isinstance(value, nn.Module):
+        return "linen"
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and isinstance(value, eqx.Module):
+        return "eqx"
+    return None
+
+
+def _described(value: Any) -> str:
+    library = _library_of(value)
+    if library is None:
+        return f"{type(value).__name__} {value!r:.60}" if isinstance(value, str | int | float) else type(value).__name__
+    article = "an" if LIBRARIES[library][0] in "AEIOU" else "a"
+    return f"{article} {LIBRARIES[library]} object ({type(value).__name__})"
+
+
+def _check_of(adapter: str, name: str, value: Any, library: str, kind: type, what: str) -> None:
+    """A ``TypeError`` naming ``name`` unless ``value`` is a ``kind`` (``what``, an object of ``library``); an object
+    of another of the three libraries is named as such, with the adapters that take it."""
+    if isinstance(value, kind):
+        return
+    given = _library_of(value)
+    given = library if given is None else given  # nothing to add for an object of no library
+    other = f" {LIBRARIES[given]} models go through jddp.models.{ADAPTERS[given]}." if given != library else ""
+    raise TypeError(
+        f"`{adapter}` takes {LIBRARIES[library]} models: `{name}` must be {what}, got {_described(value)}.{other}"
+    )
+
+
+def _check_fn(adapter: str, fn: Any, form: str) -> None:
+    """``fn`` is the user's function of ``form``: callable, and not a model (a model is callable too)."""
+    if callable(fn) and _library_of(fn) is None:
+        return
+    raise TypeError(
+        f"`{adapter}`'s `fn` must be your function {form}, got {_described(fn)}."
+        + (" The model itself goes to the adapter that splits it." if _library_of(fn) is not None else "")
+    )
+
+
+def _check_train_state(adapter: str, state: Any) -> None:
+    """``state`` is a live ``TrainState`` (its arrays on the devices, not donated): what ``dp.init`` or a step
+    returned."""
+    if not isinstance(state, state_lib.TrainState):
+        raise TypeError(
+            f"`{adapter}`'s `state` must be a jddp.TrainState (from dp.init or dp.step), got {_described(state)}."
+        )
+    if not isinstance(state.step, jax.Array):
+        raise TypeError(
+            f"`{adapter}`'s `state` must hold jax.Arrays, got state.step of type {type(state.step).__name__} (a host "
+            "copy?). Pass the TrainState that dp.init or dp.step returned; it is copied to the host here."
+        )
+    if state.step.is_deleted():
+        raise ValueError(
+            f"`{adapter}`'s `state` was donated to a later step: its arrays are deleted. Pass the state the last "
+            "step returned."
+        )
 
 
 def _loss_and_metrics(out) -> tuple[Any, dict]:
@@ -77,7 +154,11 @@ def nnx_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
     ``params`` are the ``nnx.Param`` variables; ``model_state`` everything else
     (BatchNorm statistics).
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module`` (a Linen or Equinox model is named as such).
     """
+    _check_of("nnx_split", "model", model, "nnx", nnx.Module, "an nnx.Module")
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)  # two filters: exactly two states
     model_state = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, model_state)
     return graphdef, params, model_state
@@ -85,7 +166,13 @@ def nnx_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
 def nnx_loss(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch, Any], Any]) -> jt.LossFn:
     """A jddp ``loss_fn`` from ``fn(model, batch, rng) -> loss | (loss, metrics)``, the model in train mode and
-    its ``nnx.Rngs`` streams drawn from ``rng`` (see the module docstring)."""
+    its ``nnx.Rngs`` streams drawn from ``rng`` (see the module docstring).
+
+    Raises:
+      TypeError: ``graphdef`` is not an NNX graphdef, or ``fn`` is not a function.
+    """
+    _check_of("nnx_loss", "graphdef", graphdef, "nnx", nnx.GraphDef, GRAPHDEF_PART)
+    _check_fn("nnx_loss", fn, "fn(model, batch, rng) -> loss | (loss, metrics)")
 
     def loss_fn(params, model_state, batch, rng):
         model = nnx.merge(graphdef, params, _reseeded(model_state, rng), copy=True)
@@ -98,7 +185,13 @@ def nnx_loss(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch, Any], A
 
 
 def nnx_eval(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch], jt.Metrics]) -> jt.EvalFn:
-    """A jddp ``eval_fn`` from ``fn(model, batch) -> metrics``, with the model in eval mode."""
+    """A jddp ``eval_fn`` from ``fn(model, batch) -> metrics``, with the model in eval mode.
+
+    Raises:
+      TypeError: ``graphdef`` is not an NNX graphdef, or ``fn`` is not a function.
+    """
+    _check_of("nnx_eval", "graphdef", graphdef, "nnx", nnx.GraphDef, GRAPHDEF_PART)
+    _check_fn("nnx_eval", fn, "fn(model, batch) -> metrics")
 
     def eval_fn(params, model_state, batch):
         model = nnx.merge(graphdef, params, model_state, copy=True)
@@ -109,8 +202,22 @@ def nnx_eval(graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, jt.Batch], jt.Met
 
 
 def nnx_module(graphdef: nnx.GraphDef, state: state_lib.TrainState) -> nnx.Module:
-    """The trained NNX module of ``state`` on the host, in eval mode (``.train()`` switches it back)."""
-    model = nnx.merge(graphdef, to_host(state.params), _typed_keys(to_host(state.model_state)))
+    """The trained NNX module of ``state`` on the host, in eval mode (``.train()`` switches it back).
+
+    Raises:
+      TypeError: ``graphdef`` is not an NNX graphdef, or ``state`` not a live ``TrainState``.
+      ValueError: ``state`` holds another model's parameters than ``graphdef``'s.
+    """
+    _check_of("nnx_module", "graphdef", graphdef, "nnx", nnx.GraphDef, GRAPHDEF_PART)
+    _check_train_state("nnx_module", state)
+    try:
+        model = nnx.merge(graphdef, to_host(state.params), _typed_keys(to_host(state.model_state)))
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            "`nnx_module`'s `state` does not hold the model of `graphdef`: nnx.merge could not put its params and "
+            f"model_state into it ({_first_line(error)}). Pass the graphdef that nnx_split gave with the params of "
+            "this state."
+        ) from None
     model.eval()
     return model
 
@@ -129,7 +236,12 @@ def _typed_keys(model_state):
 
 
 def linen_variables(state: state_lib.TrainState) -> dict:
-    """The Linen variables of ``state`` on the host: ``module.apply(linen_variables(state), x, train=False)``."""
+    """The Linen variables of ``state`` on the host: ``module.apply(linen_variables(state), x, train=False)``.
+
+    Raises:
+      TypeError: ``state`` is not a live ``TrainState``.
+    """
+    _check_train_state("linen_variables", state)
     return {"params": to_host(state.params), **to_host(state.model_state)}
 
 
@@ -193,13 +305,30 @@ def _streams_kept(new_model_state, model_state):
 
 
 def linen_split(variables: Mapping) -> tuple[dict, dict]:
-    """Splits Linen ``variables`` into ``(params, model_state)``."""
+    """Splits Linen ``variables`` into ``(params, model_state)``.
+
+    Raises:
+      TypeError: ``variables`` is not a mapping with ``"params"`` (what ``module.init`` returns).
+    """
+    _check_of("linen_split", "variables", variables, "linen", Mapping, "the variables of module.init (a mapping)")
+    if "params" not in variables:
+        raise TypeError(
+            "`linen_split`'s `variables` must hold the collection 'params' (the variables of module.init), got a "
+            f"mapping with the keys {sorted(map(str, variables))}."
+        )
     variables = dict(variables)
     return variables.pop("params"), variables
 
 
 def linen_loss(module, fn: Callable[[Callable, jt.Batch, Any], Any], *, rng_name: str = "dropout") -> jt.LossFn:
-    """A jddp ``loss_fn`` from ``fn(apply, batch, rng) -> loss | (loss, metrics)``."""
+    """A jddp ``loss_fn`` from ``fn(apply, batch, rng) -> loss | (loss, metrics)``.
+
+    Raises:
+      TypeError: ``module`` is not a Linen module, ``fn`` not a function or ``rng_name`` not a str.
+    """
+    _check_of("linen_loss", "module", module, "linen", nn.Module, "a flax.linen.Module")
+    _check_fn("linen_loss", fn, "fn(apply, batch, rng) -> loss | (loss, metrics)")
+    validate.check_str("rng_name", rng_name)
 
     def loss_fn(params, model_state, batch, rng):
         updated = dict(model_state)
@@ -225,9 +354,19 @@ def eqx_split(model, state=None) -> tuple[Any, jt.Params, Any]:
     eqx.is_inexact_array)``), ``static`` everything else, and ``model_state`` is
     ``state``: the ``eqx.nn.State`` of ``eqx.nn.make_with_state`` (BatchNorm's
     statistics), or ``{}`` for a model without one.
+
+    Raises:
+      TypeError: ``model`` is not an ``eqx.Module`` (an NNX or Linen model is named as such), or ``state`` neither
+        an ``eqx.nn.State`` nor None.
     """
     import equinox as eqx
 
+    _check_of("eqx_split", "model", model, "eqx", eqx.Module, "an eqx.Module")
+    if state is not None and not isinstance(state, eqx.nn.State):
+        raise TypeError(
+            f"`eqx_split`'s `state` must be the eqx.nn.State of eqx.nn.make_with_state, or None for a model without "
+            f"one, got {_described(state)}."
+        )
     params, static = eqx.partition(model, eqx.is_inexact_array)
     return static, params, {} if state is None else state
 
@@ -252,6 +391,8 @@ def eqx_loss(static, fn: Callable[..., Any]) -> jt.LossFn:
     """
     import equinox as eqx
 
+    _check_of("eqx_loss", "static", static, "eqx", eqx.Module, STATIC_PART)
+    _check_fn("eqx_loss", fn, "fn(model, batch, key) or fn(model, state, batch, key)")
     with_state = _eqx_takes_state(fn)
 
     def loss_fn(params, model_state, batch, rng):
@@ -311,6 +452,10 @@ def _eqx_takes_state(fn: Callable[..., Any]) -> bool:
     return len(positional) == 4
 
 
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
@@ -320,8 +465,15 @@ def _shape_of(out: Any) -> str:
 
 
 def eqx_eval(static, fn: Callable[[Any, Any, jt.Batch], jt.Metrics]) -> jt.EvalFn:
-    """A jddp ``eval_fn`` from ``fn(model, state, batch) -> dict of scalars``, the model in inference mode."""
+    """A jddp ``eval_fn`` from ``fn(model, state, batch) -> dict of scalars``, the model in inference mode.
+
+    Raises:
+      TypeError: ``static`` is not an Equinox static part, or ``fn`` not a function.
+    """
     import equinox as eqx
+
+    _check_of("eqx_eval", "static", static, "eqx", eqx.Module, STATIC_PART)
+    _check_fn("eqx_eval", fn, "fn(model, state, batch) -> metrics")
 
     def eval_fn(params, model_state, batch):
         return fn(eqx.nn.inference_mode(eqx.combine(params, static), True), model_state, batch)
@@ -330,8 +482,21 @@ def eqx_eval(static, fn: Callable[[Any, Any, jt.Batch], jt.Metrics]) -> jt.EvalF
 
 
 def eqx_module(static, state: state_lib.TrainState) -> tuple[Any, Any]:
-    """The trained Equinox model and its ``eqx.nn.State`` on the host, in inference mode."""
+    """The trained Equinox model and its ``eqx.nn.State`` on the host, in inference mode.
+
+    Raises:
+      TypeError: ``static`` is not an Equinox static part, or ``state`` not a live ``TrainState``.
+      ValueError: ``state`` holds another model's parameters than ``static``'s.
+    """
     import equinox as eqx
 
-    model = eqx.combine(to_host(state.params), static)
+    _check_of("eqx_module", "static", static, "eqx", eqx.Module, STATIC_PART)
+    _check_train_state("eqx_module", state)
+    try:
+        model = eqx.combine(to_host(state.params), static)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            "`eqx_module`'s `state` does not hold the model of `static`: eqx.combine could not join its params to "
+            f"it ({_first_line(error)}). Pass the static part that eqx_split gave with the params of this state."
+        ) from None
     return eqx.nn.inference_mode(model, True), to_host(state.model_state)

@@ -598,8 +598,6 @@ PENDING: dict[str, str] = {
     "jddp.config.parse": "jddp/config.py: argv must be a list of str, path check_path, schema a dataclass type",
     "jddp.config.save": "jddp/config.py: path via validate.check_path before writing; config checked first",
     "jddp.config.run_field": "jddp/config.py: default must be a str or None",
-    "jddp.models.eqx_loss": "jddp/models.py eqx_loss: static must be Equinox's static part (not an NNX/Linen "
-    "object), fn callable",
     "jddp.data.DataLoader": "jddp/data/loader.py: bools via validate.check_bool, worker_count/prefetch check_int",
     "jddp.data.DataLoader.skip": "jddp/data/loader.py: timeout_s via validate.check_number",
     "jddp.data.DataLoader.set_state": "jddp/data/loader.py: state must be a dict from get_state (TypeError naming it)",
@@ -636,16 +634,6 @@ PENDING: dict[str, str] = {
     "jddp.checkpoint.digest_array": "checkpoint/digest.py: tree leaves arrays; layouts a list matching the leaves",
     "jddp.checkpoint.state_digests": "checkpoint/digest.py: as digest_array",
     "jddp.data.DistributedBatchSampler.load_state_dict": "data/sampler.py: state must be a dict (TypeError naming it)",
-    "jddp.models.nnx_split": "models.py: model must be an nnx.Module (TypeError naming model, which library)",
-    "jddp.models.nnx_loss": "models.py: graphdef must be an nnx.GraphDef, fn callable",
-    "jddp.models.nnx_eval": "models.py: graphdef must be an nnx.GraphDef, fn callable",
-    "jddp.models.nnx_module": "models.py: graphdef an nnx.GraphDef, state a TrainState of NNX params",
-    "jddp.models.linen_split": "models.py: variables a Mapping with 'params'",
-    "jddp.models.linen_variables": "models.py: state a TrainState",
-    "jddp.models.eqx_split": "models.py: model an eqx.Module (not NNX/Linen), state an eqx.nn.State or None",
-    "jddp.models.eqx_module": "models.py: static Equinox's static part, state a TrainState",
-    "jddp.models.eqx_eval": "models.py: static Equinox's static part, fn callable",
-    "jddp.models.linen_loss": "models.py: module a linen Module, rng_name check_str",
 }
 
 # OSError: a path that is a file where a directory is wanted (NotADirectoryError), raised by jddp naming it.

@@ -5,7 +5,9 @@
 * a model holding ``nnx.Rngs`` trains: two Dropout layers draw different masks, every step new ones, a
   rerun the same ones, and the streams in the model state do not change;
 * ``nnx_module`` / ``linen_variables`` give back a model that predicts what ``eval_step`` measured
-  (BatchNorm's running statistics included), checked with NumPy.
+  (BatchNorm's running statistics included), checked with NumPy;
+* a model of another library, given to any adapter, is refused naming the parameter, the library given and the
+  one expected; a state of another model is refused by ``nnx_module``/``eqx_module`` naming ``state``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jddp
@@ -205,3 +208,70 @@ def numpy_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     loss = -log_probs[np.arange(len(labels)), labels].mean()
     return float(loss), float((logits.argmax(axis=1) == labels).mean())
+
+
+def objects() -> dict[str, object]:
+    """A model of each library, and what the adapters make of it (an NNX graphdef, an Equinox static part)."""
+    nnx_model = test_models.NNXMLP(None, nnx.Rngs(0))
+    eqx_model = test_models.EqxMLP(jax.random.key(0))
+    return {
+        "nnx": nnx_model,
+        "graphdef": models.nnx_split(nnx_model)[0],
+        "linen": test_models.LinenMLP(),
+        "eqx": eqx_model,
+        "static": models.eqx_split(eqx_model)[0],
+    }
+
+
+def fn3(model, batch, rng):
+    return jnp.float32(0.0)
+
+
+# (adapter, the parameter given a model of another library, the other arguments, the library expected, given)
+OTHER_LIBRARY = [
+    ("nnx_split", "model", {}, "Flax NNX", "linen", "Flax Linen"),
+    ("nnx_loss", "graphdef", {"fn": fn3}, "Flax NNX", "static", "Equinox"),
+    ("nnx_eval", "graphdef", {"fn": fn3}, "Flax NNX", "linen", "Flax Linen"),
+    ("linen_loss", "module", {"fn": fn3}, "Flax Linen", "nnx", "Flax NNX"),
+    ("linen_split", "variables", {}, "Flax Linen", "nnx", "Flax NNX"),
+    ("eqx_split", "model", {}, "Equinox", "nnx", "Flax NNX"),
+    ("eqx_loss", "static", {"fn": fn3}, "Equinox", "graphdef", "Flax NNX"),
+    ("eqx_eval", "static", {"fn": fn3}, "Equinox", "linen", "Flax Linen"),
+]
+
+
+@pytest.mark.parametrize(
+    ("adapter", "param", "others", "expected", "given", "given_name"), OTHER_LIBRARY, ids=[c[0] for c in OTHER_LIBRARY]
+)
+def test_a_model_of_another_library_is_refused_naming_the_parameter_and_both_libraries(
+    adapter, param, others, expected, given, given_name
+):
+    with pytest.raises(TypeError) as error:
+        getattr(models, adapter)(**{param: objects()[given]}, **others)
+    message = str(error.value)
+    assert f"`{param}`" in message and f"takes {expected} models" in message, message
+    assert f"got a {given_name} object" in message or f"got an {given_name} object" in message, message
+    assert f"{given_name} models go through jddp.models." in message, message
+
+
+@pytest.mark.parametrize("adapter", ["nnx_loss", "nnx_eval", "linen_loss", "eqx_loss", "eqx_eval"])
+def test_a_model_given_as_fn_is_refused_naming_fn(adapter):
+    """A model is callable, so `callable(fn)` alone would take it: refused as the model it is."""
+    first = {"nnx_loss": "graphdef", "nnx_eval": "graphdef", "linen_loss": "module"}.get(adapter, "static")
+    things = objects()
+    owner = {"graphdef": things["graphdef"], "module": things["linen"], "static": things["static"]}[first]
+    with pytest.raises(TypeError, match=r"`fn` must be your function .*, got an? .* object \(\w+MLP\)"):
+        getattr(models, adapter)(owner, things["linen"] if adapter != "linen_loss" else things["nnx"])
+
+
+def test_a_state_of_another_model_or_a_host_copy_is_refused_naming_state():
+    things = objects()
+    plain = test_models.pytree()
+    dp = jddp.DataParallel(plain.loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh())
+    state = dp.init(plain.params)  # the pytree model's state, not the NNX or Equinox model's
+    with pytest.raises(ValueError, match=r"`nnx_module`'s `state` does not hold the model of `graphdef`"):
+        models.nnx_module(things["graphdef"], state)
+    with pytest.raises(ValueError, match=r"`eqx_module`'s `state` does not hold the model of `static`"):
+        models.eqx_module(things["static"], state)
+    with pytest.raises(TypeError, match=r"`linen_variables`'s `state` must hold jax.Arrays, .* \(a host copy\?\)"):
+        models.linen_variables(jax.tree.map(np.asarray, state))
