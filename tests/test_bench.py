@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -12,7 +15,7 @@ import optax
 import pytest
 
 import jddp
-from jddp.benchmark import models, worker
+from jddp.benchmark import custom, models, worker
 from jddp.cli import bench
 from jddp.cli import main as cli
 
@@ -166,3 +169,182 @@ def test_reference_step_is_the_single_device_step(model):
     np.testing.assert_allclose(got[2], value, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(optax.apply_updates(params, updates)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# An Equinox model defined outside jddp, as a user's module: its batch function records the sizes it is asked for,
+# so that the test sees each configuration run this model and not a built-in one.
+EQX_MODULE = """
+import os
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+import jddp
+from jddp.benchmark import BenchModel
+
+
+def bench():
+    model = eqx.nn.MLP(in_size=16, out_size=4, width_size=48, depth=2, key=jax.random.key(0))
+    static, params, model_state = jddp.models.eqx_split(model)
+
+    def loss(model, batch, key):
+        logits = jax.vmap(model)(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    def batch(size):
+        with open(os.path.join(os.path.dirname(__file__), "sizes.txt"), "a") as f:
+            f.write(f"{size}\\n")
+        rng = np.random.default_rng(0)
+        return {"x": rng.normal(size=(size, 16)).astype(np.float32), "y": rng.integers(0, 4, size).astype(np.int32)}
+
+    return BenchModel(jddp.models.eqx_loss(static, loss), params, batch, optimizer=optax.sgd(0.05),
+                      model_state=model_state)
+"""
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """``tmp_path`` as the current directory, the import path and module cache restored afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if name.startswith("user_"):
+            del sys.modules[name]
+
+
+@pytest.mark.slow
+def test_bench_runs_a_users_equinox_model(user_dir):
+    """``jddp bench --model MODULE:FUNCTION`` on an Equinox model in the current directory, as a user runs it:
+    every configuration trains that model (its batch function asked for 32 x dev rows in each), and the gradient
+    bytes reported are its parameters'."""
+    import equinox as eqx
+
+    (user_dir / "eqxmodel.py").write_text(EQX_MODULE)
+    argv = ["bench", "--model", "eqxmodel:bench", "--devices", "1,2", "--batch-per-device", "32"]
+    argv += ["--steps", "3", "--rounds", "1", "--warmup", "1", "--output", "out"]
+    proc = subprocess.run([sys.executable, "-m", "jddp.cli.main", *argv], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((user_dir / "out.json").read_text())
+    assert report["config"]["model"] == "eqxmodel:bench"
+    assert [(r["devices"], r["global_batch"]) for r in report["rows"]] == [(1, 32), (2, 64)]
+    # Sizes asked: 2 by the parent's check, then each configuration's global batch in its one process.
+    assert sorted(int(n) for n in (user_dir / "sizes.txt").read_text().split()) == [2, 32, 64]
+    mlp = eqx.nn.MLP(in_size=16, out_size=4, width_size=48, depth=2, key=jax.random.key(0))
+    expected = sum(leaf.nbytes for leaf in jax.tree.leaves(eqx.filter(mlp, eqx.is_inexact_array)))
+    assert all(raw["grad_bytes"] == expected == 4 * (16 * 48 + 48 + 48 * 48 + 48 + 48 * 4 + 4) for raw in report["raw"])
+    assert "eqxmodel:bench, 1 process(es), 2 device(s)" in proc.stdout
+
+
+def _write(directory, name: str, body: str) -> str:
+    (directory / f"{name}.py").write_text(textwrap.dedent(body))
+    return name
+
+
+MINIMAL = """
+    import numpy as np
+
+    def loss_fn(params, model_state, batch, rng):
+        return ((batch["x"] @ params["w"]) ** 2).mean(), (model_state, {})
+
+    PARAMS = {"w": np.ones((3, 1), np.float32)}
+    BATCH = {"x": np.ones((5, 3), np.float32)}
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "spec", "error", "match"),
+    [
+        ("", "nosuchmodule:f", ValueError, r"no module 'nosuchmodule' on Python's import path .* Run jddp bench from"),
+        ("def g(): pass", "{m}:f", TypeError, r"'f' in module '\w+' .* no attribute of that name.*\['g', 'loss_fn'\]"),
+        ("f = 3", "{m}:f", TypeError, r"'f' in module .* is a int"),
+        ("def f(): return 3", "{m}:f", TypeError, r"f\(\) returned a int\. FUNCTION\(\) must return"),
+        ("def f(): return {'loss_fn': loss_fn, 'params': PARAMS}", "{m}:f", TypeError, r"missing \['batch'\]"),
+        (
+            "def f(): return {'loss_fn': loss_fn, 'params': PARAMS, 'batch': BATCH, 'lr': 1}",
+            "{m}:f",
+            TypeError,
+            r"unknown \['lr'\]",
+        ),
+        (
+            "def f(): return {'loss_fn': 1, 'params': PARAMS, 'batch': BATCH}",
+            "{m}:f",
+            TypeError,
+            r"loss_fn is a int, not callable",
+        ),
+        (
+            "def f(): return {'loss_fn': loss_fn, 'params': PARAMS, 'batch': [1]}",
+            "{m}:f",
+            TypeError,
+            r"batch is a list",
+        ),
+        (
+            "def f(): return {'loss_fn': loss_fn, 'params': PARAMS, 'batch': BATCH, 'optimizer': 0.1}",
+            "{m}:f",
+            TypeError,
+            r"optimizer is a float, not an optax GradientTransformation",
+        ),
+        ("def f(): raise KeyError('boom')", "{m}:f", RuntimeError, r"calling \w+:f\(\) raised KeyError\('boom'\)"),
+        ("raise ImportError('broken')", "{m}:f", RuntimeError, r"importing '\w+' .* raised ImportError"),
+    ],
+    ids=[
+        "no-module",
+        "no-function",
+        "not-callable",
+        "wrong-return",
+        "missing-key",
+        "unknown-key",
+        "loss-not-callable",
+        "batch-not-dict",
+        "optimizer",
+        "function-raises",
+        "import-raises",
+    ],
+)
+def test_a_users_model_that_does_not_fit_is_named_with_the_fix(user_dir, request, body, spec, error, match):
+    name = _write(user_dir, f"user_{request.node.callspec.id.replace('-', '_')}", textwrap.dedent(MINIMAL) + body)
+    with pytest.raises(error, match=match):
+        custom.load(spec.format(m=name))
+
+
+def test_a_users_batch_is_repeated_to_the_global_batch_or_must_have_its_rows(user_dir):
+    body = (
+        "def fixed(): return dict(loss_fn=loss_fn, params=PARAMS, batch={'x': np.arange(10.0).reshape(5, 2)})\n"
+        "def short(): return dict(loss_fn=loss_fn, params=PARAMS, batch=lambda n: {'x': np.zeros((n - 1, 3))})\n"
+    )
+    name = _write(user_dir, "user_batches", textwrap.dedent(MINIMAL) + body)
+    got = custom.global_batch(custom.load(f"{name}:fixed"), "m", 7)["x"]
+    np.testing.assert_array_equal(got[:, 0], [0, 2, 4, 6, 8, 0, 2])
+    with pytest.raises(ValueError, match=r"batch\(8\) gave batch\['x'\] of 7 rows; it must give 8"):
+        custom.global_batch(custom.load(f"{name}:short"), f"{name}:short", 8)
+
+
+def test_bench_refuses_a_users_model_before_running_any_configuration(user_dir, capsys):
+    """The parent checks the function in a child process; its error comes back as a usage error, with no
+    configuration started (no JSON written)."""
+    _write(user_dir, "user_nofn", "def other(): pass\n")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--model", "user_nofn:bench", "--devices", "1", "--output", "out"])
+    assert exit_info.value.code == 2
+    assert "'bench' in module 'user_nofn'" in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"'bench' in module 'user_nofn'.*\['other'\]"):
+        bench.check_model(bench.BenchConfig(model="user_nofn:bench"))
+    assert not (user_dir / "out.json").exists()
+    with pytest.raises(ValueError, match=r"`model` must be one of \('mlp', 'cnn'\) or MODULE:FUNCTION"):
+        bench.BenchConfig(model="user_nofn.bench")
+
+
+def test_the_benchmarks_guide_shows_the_example_that_ships():
+    """docs/guides/benchmarks.md shows jddp/benchmark/example.py's code, which its command runs: the page and the
+    file cannot drift apart."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (root / "jddp/benchmark/example.py").read_text().split("# ---\n")[1].strip()
+    page = (root / "docs/guides/benchmarks.md").read_text()
+    assert f"```python\n{code}\n```" in page
+    assert "jddp bench --model jddp.benchmark.example:bench" in page
+    assert isinstance(custom.load("jddp.benchmark.example:bench"), custom.BenchModel)

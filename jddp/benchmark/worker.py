@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from jddp import envvars
-from jddp.benchmark import models
+from jddp.benchmark import custom, models
 
 
 def check_no_collective(hlo: str) -> None:
@@ -31,7 +31,7 @@ def check_no_collective(hlo: str) -> None:
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jddp.benchmark.worker", description="One jddp bench configuration.")
-    p.add_argument("--model", choices=models.MODELS, required=True, help="benchmark model")
+    p.add_argument("--model", required=True, help="mlp, cnn, or MODULE:FUNCTION (jddp.benchmark.custom)")
     p.add_argument("--out", required=True, help="JSON file process 0 writes the raw timings to")
     for name in ("batch_per_device", "steps", "warmup", "rounds"):
         minimum = 0 if name == "warmup" else 1
@@ -39,6 +39,22 @@ def get_args_parser() -> argparse.ArgumentParser:
             f"--{name}", type=envvars.count(minimum), required=True, help=f"as jddp bench's --{name.replace('_', '-')}"
         )
     return p
+
+
+def _mean_loss(loss_fn, model_state, params, batch):
+    """A jddp ``loss_fn``'s loss as the mean ``models.reference_step`` takes (a ``Weighted`` pair divided out), at
+    the initial ``model_state`` and a fixed key: the hand-written steps do not carry model state."""
+    import jax
+
+    import jddp
+
+    loss, _ = loss_fn(params, model_state, batch, jax.random.key(0))
+    return loss.total / loss.weight if isinstance(loss, jddp.Weighted) else loss
+
+
+def _builtin_loss(mean_loss, params, model_state, batch, rng):
+    """A built-in model's mean loss as a jddp ``loss_fn``."""
+    return mean_loss(params, batch), (model_state, {})
 
 
 def _hand_program(loss, optimizer, mesh, params: dict, batch: dict, *, reduce: bool) -> tuple[Any, tuple, float]:
@@ -116,14 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     def place(a):  # this process's rows of the global batch
         return jax.make_array_from_process_local_data(bsh, a[pi * rows : (pi + 1) * rows], a.shape)
 
-    batches = [{k: place(v) for k, v in b.items()} for b in models.synthetic_batches(args.steps, gb)]
-    optimizer = optax.adamw(1e-3, weight_decay=1e-4)
-    params = models.init_params(args.model)
-    mean_loss = functools.partial(models.mean_loss, args.model)
-    dp = jddp.DataParallel(lambda p, s, b, r: (mean_loss(p, b), (s, {})), optimizer, mesh=mesh)
+    if custom.is_spec(args.model):
+        user = custom.load(args.model)
+        data = [custom.global_batch(user, args.model, gb)]
+        optimizer = user.optimizer or optax.adamw(1e-3, weight_decay=1e-4)
+        # Host copies: the programs donate their state, which must not delete the caller's arrays.
+        params, model_state = jddp.models.to_host(user.params), jddp.models.to_host(user.model_state)
+        loss_fn = user.loss_fn
+        mean_loss = functools.partial(_mean_loss, loss_fn, model_state)
+    else:
+        data = models.synthetic_batches(args.steps, gb)
+        optimizer = optax.adamw(1e-3, weight_decay=1e-4)
+        params, model_state = models.init_params(args.model), None
+        mean_loss = functools.partial(models.mean_loss, args.model)
+        loss_fn = functools.partial(_builtin_loss, mean_loss)
+    batches = [{k: place(v) for k, v in b.items()} for b in data]
+    dp = jddp.DataParallel(loss_fn, optimizer, mesh=mesh)
     hand, hand_carry, hand_compile_s = _hand_program(mean_loss, optimizer, mesh, params, batches[0], reduce=True)
     local, local_carry, _ = _hand_program(mean_loss, optimizer, mesh, params, batches[0], reduce=False)
-    carries = {"jddp": dp.init(params), "hand": hand_carry, "local": local_carry}
+    carries = {"jddp": dp.init(params, model_state), "hand": hand_carry, "local": local_carry}
     programs = {
         "jddp": lambda c, b: (dp.step(c, b)[0], None),
         "hand": lambda c, b: (lambda r: (r[:2], r[2]))(hand(*c, b)),

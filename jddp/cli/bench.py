@@ -13,7 +13,9 @@ configuration ``R`` times, in alternating order, and pools the timings, so
 that a slow phase of a shared machine hits every configuration.
 
 Each configuration trains a model shaped for MNIST-1D (40 features, 10
-classes; synthetic data) with AdamW on ``--batch-per-device`` examples per
+classes; synthetic data) with AdamW, or the user's own model
+(``--model MODULE:FUNCTION``, ``jddp.benchmark.custom``: its loss, parameters,
+batches and optimizer), on ``--batch-per-device`` examples per
 device (weak scaling, as DDP is used) and times three programs on the same
 pre-placed global batches, interleaved round by round in alternating order
 after ``--warmup`` steps:
@@ -56,14 +58,33 @@ import textwrap
 from collections.abc import Callable
 
 from jddp import envvars, validate
-from jddp.benchmark import models
+from jddp.benchmark import custom, models
+
+MODEL_HELP = """\
+your own model: --model MODULE:FUNCTION
+  MODULE is imported as python -m imports (the current directory first); FUNCTION() takes no
+  arguments and returns a jddp.benchmark.BenchModel, or a dict with the same keys:
+    loss_fn      loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics)),
+                 as for jddp.DataParallel (jddp.models.nnx_loss, linen_loss, eqx_loss build one)
+    params       the parameters, a pytree of arrays
+    batch        a dict of arrays with a leading batch axis (its first --batch-per-device x dev
+                 rows are used, repeated if it has fewer), or batch(global_batch_size) -> such a dict
+    optimizer    optional: an optax.GradientTransformation (default optax.adamw(1e-3, weight_decay=1e-4))
+    model_state  optional: the model state loss_fn reads and returns (default None)
+  The hand and bare programs call loss_fn at the initial model_state with a fixed key (a Weighted
+  loss as total / weight). Example (docs/guides/benchmarks.md):
+    # mymodel.py
+    def bench():
+        return {"loss_fn": loss_fn, "params": params, "batch": {"x": x, "y": y}}
+    $ jddp bench --model mymodel:bench --devices 1,2
+"""
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     """What ``jddp bench`` runs."""
 
-    model: str = "mlp"  # "mlp" (40-256-256-10) or "cnn" (3 conv1d layers of 32 channels, then dense)
+    model: str = "mlp"  # "mlp" (40-256-256-10), "cnn" (3 conv1d layers of 32 channels, then dense) or MODULE:FUNCTION
     devices: tuple[int, ...] = (1, 2, 4, 8)  # total device counts; must include 1 (the baseline)
     processes: tuple[int, ...] = (1,)  # process counts; each runs the device counts it divides
     batch_per_device: int = 64  # examples per device and step
@@ -75,8 +96,12 @@ class BenchConfig:
     timeout_s: float = 600.0  # per configuration
 
     def __post_init__(self):
-        if self.model not in models.MODELS:
-            raise ValueError(f"`model` must be one of {models.MODELS}, got model={self.model!r}.")
+        validate.check_str("model", self.model)
+        if self.model not in models.MODELS and not custom.is_spec(self.model):
+            raise ValueError(
+                f"`model` must be one of {models.MODELS} or MODULE:FUNCTION (your own model, such as "
+                f"mymodel:bench; see jddp bench --help), got model={self.model!r}."
+            )
         for name in ("devices", "processes"):
             values = getattr(self, name)
             if not values:
@@ -101,8 +126,19 @@ class BenchConfig:
 
 def get_args_parser() -> argparse.ArgumentParser:
     d = BenchConfig()
-    p = argparse.ArgumentParser(prog="jddp bench", description="Throughput, scaling and latency of a jddp step.")
-    p.add_argument("--model", choices=models.MODELS, default=d.model, help="model to train (default mlp)")
+    p = argparse.ArgumentParser(
+        prog="jddp bench",
+        description="Throughput, scaling and latency of a jddp step, on a built-in model or your own.",
+        epilog=MODEL_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=d.model,
+        metavar="{mlp,cnn,MODULE:FUNCTION}",
+        help="a built-in model (mlp: 40-256-256-10; cnn: three conv1d layers, then dense) or your own, "
+        "MODULE:FUNCTION (below) (default mlp)",
+    )
     p.add_argument("--devices", type=envvars.counts(1), default=d.devices, help="total device counts (default 1,2,4,8)")
     p.add_argument("--processes", type=envvars.counts(1), default=d.processes, help="process counts (default 1)")
     p.add_argument(
@@ -295,8 +331,33 @@ def _merge(results: list[dict]) -> dict:
     return merged
 
 
-def run(config: BenchConfig) -> dict:
-    """Runs every configuration, prints the table, writes ``<output>.json`` and ``<output>.png``."""
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+
+
+def check_model(config: BenchConfig) -> None:
+    """For ``--model MODULE:FUNCTION``: the module on the import path, then, in a child process (this one imports
+    no JAX), the function called and what it returns checked. Raises the child's ``ValueError``, ``TypeError``
+    or ``RuntimeError``, naming the value and the fix, before any configuration runs."""
+    if not custom.is_spec(config.model):
+        return
+    custom.find(config.model)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_") and k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jddp.benchmark.custom", config.model]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=config.timeout_s)
+    if proc.returncode != 0:
+        name, _, message = proc.stderr.strip().rpartition("\n")[2].partition(": ")
+        if name not in _ERRORS:
+            raise RuntimeError(f"Checking model={config.model!r} failed (exit {proc.returncode}):\n{proc.stderr}")
+        raise _ERRORS[name](message)
+
+
+def run(config: BenchConfig, *, check: bool = True) -> dict:
+    """Runs every configuration, prints the table, writes ``<output>.json`` and ``<output>.png``.
+
+    ``check=False`` skips ``check_model`` (``main`` has run it, to report its errors as usage errors).
+    """
+    if check:
+        check_model(config)
     configs = config.configurations()
     runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
     for repeat in range(config.repeats):  # configurations alternate, so slow phases of the machine hit all alike
@@ -320,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
-    except ValueError as e:
+        check_model(config)
+    except (ValueError, TypeError, RuntimeError) as e:
         parser.error(str(e))
-    run(config)
+    run(config, check=False)
     return 0
 
 
