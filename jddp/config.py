@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import os
 import types
 import typing
@@ -46,6 +47,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 from omegaconf import nodes as oc_nodes
+
+from jddp import validate
 
 T = TypeVar("T")
 COMMAND_LINE = "command line"
@@ -71,8 +74,28 @@ def run_field(default: Any) -> Any:
       ...     devices: int = run_field(0)
       >>> [f.metadata.get(FINGERPRINT, True) for f in dataclasses.fields(Config)]
       [True, False]
+
+    Raises:
+      TypeError: ``default`` is not a value a config field holds (None, a bool, int, float, str, an Enum member, a
+        frozen dataclass instance, or a tuple of those).
     """
+    if not _is_default(default):
+        raise TypeError(
+            f"`default` must be a value a config field holds (None, a bool, int, float, str, an Enum member, a frozen "
+            f"dataclass instance, or a tuple of those), got default={default!r:.80} ({type(default).__name__}). A "
+            "list or dict default goes in a tuple, or in a field of its own with default_factory."
+        )
     return dataclasses.field(default=default, metadata={FINGERPRINT: False})
+
+
+def _is_default(value: Any) -> bool:
+    """A value a config field can default to: immutable (dataclasses refuses a list, dict or set default) and one
+    OmegaConf holds."""
+    if value is None or isinstance(value, bool | int | float | str | enum.Enum):
+        return True
+    if isinstance(value, tuple):
+        return all(_is_default(v) for v in value)
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 class ConfigError(ValueError):
@@ -93,7 +116,7 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
       An instance of ``schema`` (its ``__post_init__`` has run).
 
     Raises:
-      TypeError: if ``schema`` is not a dataclass type.
+      TypeError: if ``schema`` is not a dataclass type, ``argv`` not a list of str, or ``path`` not a path.
       ConfigError: for an unknown key, a value of the wrong type, a missing
         value, a missing or malformed file, or an argument that is not
         ``key=value``.
@@ -109,6 +132,9 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
     """
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
         raise TypeError(f"`schema` must be a dataclass type, got {schema!r}.")
+    _check_argv(argv)
+    path = validate.check_path("path", path, optional=True)
+    path_name = "path"
     overrides = []
     for arg in argv:
         key, sep, value = str(arg).partition("=")
@@ -118,7 +144,7 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
                 f"`model.hidden=128`, or `{FILE_KEY}=path/to/file.yaml`)."
             )
         if key == FILE_KEY:
-            path = value
+            path, path_name = value, FILE_KEY
         else:
             _check_readable(schema, key, value)
             overrides.append(arg)
@@ -132,7 +158,7 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
             )
     merged = _structured(schema)
     if path is not None:
-        merged = _merge(schema, merged, _load(path), source=str(path))
+        merged = _merge(schema, merged, _load(path, path_name), source=str(path))
     if overrides:
         try:
             dotlist = OmegaConf.from_dotlist(overrides)
@@ -173,6 +199,22 @@ def parse(schema: type[T], argv: Sequence[str] = (), *, path: str | os.PathLike 
 _SCALARS = (int, float, str, bool)
 
 
+def _check_argv(argv: Any) -> None:
+    """``argv`` is a list (or tuple) of str: ``sys.argv[1:]``, not one string (which would be read character by
+    character)."""
+    if isinstance(argv, str | bytes) or not isinstance(argv, Sequence):
+        hint = f" Pass a list: argv=[{argv!r}]." if isinstance(argv, str) else ""
+        raise TypeError(
+            f"`argv` must be a list of `key=value` strings (e.g. sys.argv[1:]), got argv={argv!r:.80} "
+            f"({type(argv).__name__}).{hint}"
+        )
+    for i, arg in enumerate(argv):
+        if not isinstance(arg, str):
+            raise TypeError(
+                f"`argv` must hold only `key=value` strings, got argv[{i}]={arg!r:.80} ({type(arg).__name__})."
+            )
+
+
 def _check_containers(schema: type, instance: Any, prefix: str, path, overrides: list[str]) -> None:
     """The values inside ``dict[K, V]``, ``list[V]`` and ``tuple[V, ...]`` fields have the type ``V`` says.
 
@@ -210,10 +252,19 @@ def to_yaml(config: Any) -> str:
 
 
 def save(config: Any, path: str | os.PathLike) -> None:
-    """Writes ``to_yaml(config)`` to ``path`` atomically (a temporary file, then a rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes ``to_yaml(config)`` to ``path`` atomically (a temporary file, then a rename), creating its directory;
+    an existing file there is replaced.
+
+    Raises:
+      TypeError: ``config`` is not a config (see ``to_yaml``), or ``path`` not a path; checked before anything is
+        written.
+      IsADirectoryError: ``path`` is a directory.
+    """
     text = to_yaml(config)
+    path = Path(typing.cast(str, validate.check_path("path", path)))
+    if path.is_dir():
+        raise IsADirectoryError(f"`path` must be a file to write the config to, got the directory path={str(path)!r}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # plain open: the file gets the umask's mode
     try:
         tmp.write_text(text)
@@ -352,14 +403,24 @@ def _as_omegaconf(config: Any) -> DictConfig:
     raise TypeError(f"`config` must be a dataclass instance, an OmegaConf config or a mapping, got {type(config)!r}.")
 
 
-def _load(path: str | os.PathLike) -> DictConfig:
+def _load(path: str | os.PathLike, name: str) -> DictConfig:
+    """The mapping in the YAML file ``path``, given as ``name`` (the argument ``path``, or ``config=`` on the command
+    line)."""
     file = Path(path)
     if not file.is_file():
         what = "is a directory" if file.is_dir() else "does not exist"
         raise ConfigError(
-            f"Config file {str(path)!r} {what} (resolved: {file.absolute()}); give an existing YAML file."
+            f"Config file {str(path)!r} {what} (resolved: {file.absolute()}); give `{name}` an existing YAML file."
         )
     try:
+        # OmegaConf reads a file holding one word (`x`) as the mapping {x: None}, and fails with an OSError on one
+        # number: a file that holds a single value is said to be one here.
+        raw = yaml.load(file.read_text(), Loader=yaml.BaseLoader)  # strings, lists and dicts only: no tags run
+        if raw is not None and not isinstance(raw, dict | list):
+            raise ConfigError(
+                f"Config file {str(path)!r} (given as `{name}`) must hold a mapping of keys to values (`key: value` "
+                f"lines), got the single value {raw!r:.80}."
+            )
         loaded = OmegaConf.load(file)
     except yaml.YAMLError as error:
         raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {error}") from None

@@ -563,6 +563,8 @@ ACCEPTED: dict[tuple[str, str, str], str] = {
     ("jddp.Checkpointer", "directory", "missing-parent"): "the directory is created with its parents (documented)",
     ("jddp.fit", "log_dir", "missing-parent"): "the log directory is created with its parents",
     ("jddp.config.save", "path", "missing-parent"): "the file's directory is created with its parents",
+    ("jddp.config.save", "path", "file"): "an existing file is replaced (atomically): a rerun rewrites its config.yaml",
+    ("jddp.config.run_field", "default", "None"): "a config field may default to None (`devices: int | None`)",
     ("jddp.models.to_host", "tree", "*"): "any pytree: its array leaves are copied to the host, others kept",
     ("jddp.host_all_gather", "value", "tuple-of-args"): "any picklable value: a tuple is one",
     ("jddp.host_broadcast", "value", "tuple-of-args"): "any picklable value: a tuple is one",
@@ -595,9 +597,6 @@ KILLS_THE_PROCESS: dict[str, str] = {
 # is an expected failure (strict): when its findings are fixed it passes, and the entry must go.
 PENDING: dict[str, str] = {
     # files being edited by others right now (see the report of the change that added this test)
-    "jddp.config.parse": "jddp/config.py: argv must be a list of str, path check_path, schema a dataclass type",
-    "jddp.config.save": "jddp/config.py: path via validate.check_path before writing; config checked first",
-    "jddp.config.run_field": "jddp/config.py: default must be a str or None",
     "jddp.data.DataLoader": "jddp/data/loader.py: bools via validate.check_bool, worker_count/prefetch check_int",
     "jddp.data.DataLoader.skip": "jddp/data/loader.py: timeout_s via validate.check_number",
     "jddp.data.DataLoader.set_state": "jddp/data/loader.py: state must be a dict from get_state (TypeError naming it)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import subprocess
 import sys
@@ -243,3 +244,66 @@ def test_a_container_inside_a_typed_container_of_scalars_is_refused(arg, key, sh
         config.parse(_Containers, [arg])
     assert f"has a value of the wrong type: {key}={shown}." in str(e.value)
     assert config.parse(_Containers, ["counts.a=1", "inner.sizes=[1,2]"]) == _Containers({"a": 1}, _Inner([1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        ("epochs=3", r"`argv` must be a list of `key=value` strings .*got argv='epochs=3' \(str\)\. Pass a list"),
+        (3, r"`argv` must be a list of `key=value` strings .*got argv=3 \(int\)"),
+        (["epochs=3", 4], r"`argv` must hold only `key=value` strings, got argv\[1\]=4 \(int\)"),
+    ],
+    ids=["one-string", "int", "int-inside"],
+)
+def test_argv_must_be_a_list_of_strings(argv, match):
+    """One string would be read character by character ('e' is no `key=value`), an int is no list."""
+    with pytest.raises(TypeError, match=match):
+        config.parse(Config, argv)
+
+
+@pytest.mark.parametrize(("text", "shown"), [("x\n", "'x'"), ("3\n", "'3'")], ids=["word", "number"])
+def test_a_file_holding_one_value_is_named_as_such(tmp_path, text, shown):
+    """OmegaConf reads a file holding `x` as the mapping {x: None} (an unknown key `x`), and one holding `3` raises
+    its OSError: both are a file that holds a single value, named with the argument that gave it."""
+    path = write(tmp_path, text)
+    expected = rf"Config file '.*c\.yaml' \(given as `path`\) must hold a mapping .*got the single value {shown}\."
+    with pytest.raises(ConfigError, match=expected):
+        config.parse(Config, path=path)
+    with pytest.raises(ConfigError, match=r"\(given as `config`\) must hold a mapping"):
+        config.parse(Config, [f"config={path}"])
+
+
+def test_path_is_checked_before_it_is_read():
+    with pytest.raises(TypeError, match=r"`path` must be a non-empty path \(str or os.PathLike\) or None, got path=''"):
+        config.parse(Config, path="")
+    with pytest.raises(ValueError, match=r"`path` starts with a home directory that does not exist"):
+        config.parse(Config, path="~no-such-user-jddp/c.yaml")
+
+
+def test_save_checks_config_and_path_before_it_creates_anything(tmp_path):
+    target = tmp_path / "new" / "config.yaml"
+    with pytest.raises(TypeError, match=r"`config` must be a dataclass instance"):
+        config.save(object(), target)
+    with pytest.raises(TypeError, match=r"`path` must be a non-empty path"):
+        config.save(Config(), b"config.yaml")
+    assert not (tmp_path / "new").exists()  # the directory of a refused save is not created
+    with pytest.raises(IsADirectoryError, match=r"`path` must be a file to write the config to, got the directory"):
+        config.save(Config(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@pytest.mark.parametrize("default", [None, 0, 1.5, "x", True, Mode.FAST, (1, "a"), Model()], ids=repr)
+def test_run_field_takes_a_value_a_config_holds(default):
+    assert config.run_field(default).default == default
+
+
+@pytest.mark.parametrize(
+    "default", [object(), [1, 2], {"a": 1}, (i for i in range(2))], ids=["object", "list", "dict", "generator"]
+)
+def test_run_field_refuses_what_no_config_holds_naming_default(default):
+    with pytest.raises(TypeError, match=r"`default` must be a value a config field holds .*got default="):
+        config.run_field(default)
