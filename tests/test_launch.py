@@ -436,6 +436,52 @@ def ended_launchers(launchers: list[subprocess.Popen]) -> tuple[list, list[float
     return results, ends
 
 
+# ------------------------------------------------------------ a collective made by a subset of the processes
+
+# Modules whose calls every process must make (``progress.collective_call``): imported so that their names are
+# registered, and a new one is a new case below the day it is declared.
+from jddp.checkpoint import checkpointer as _checkpointer  # noqa: E402, F401
+from jddp.engine import parallel as _parallel  # noqa: E402, F401
+from jddp.runtime import host as _host  # noqa: E402, F401
+from jddp.runtime import progress as _progress  # noqa: E402
+
+ALONE = str(multiprocess.WORKERS / "alone.py")
+# Calls whose lone call cannot be told from the others' calls, with the reason; every other is a case.
+ALONE_ACCEPTED = {
+    "DataParallel.step": "an extra step pairs with the peers' next step (the same program): the run goes on a step "
+    "apart and ends at the last step by the ended-early rule (exit 69 naming it, T + 10 s)",
+}
+ALONE_CASES = [c for c in _progress.COLLECTIVE_CALLS if c not in ALONE_ACCEPTED] + ["jit"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", ALONE_CASES)
+def test_a_collective_made_by_one_process_alone_is_named_with_the_call(call, tmp_path):
+    """Process 0 makes ``call`` alone at step 3 (the DDP habit ``if rank == 0: checkpointer.save(...)``) while
+    process 1 steps on: the run fails (never 0), the processes and the launcher's summary name the call and the
+    process that made it alone, and the innocent process is never called "frozen or stuck". ``jit``: a jitted
+    collective of the script's own, which jddp cannot see: gloo stops process 0 (an error, or an abort from C++
+    that prints its Python stack), whose output names the script's call; the others name the lost process."""
+    done = multiprocess.launch(
+        "-n", "2", "--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1", ALONE, call, str(tmp_path), timeout=240
+    )
+    shown = done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.returncode not in (0, None), shown
+    assert "frozen or stuck" not in done.stderr, shown
+    if call == "jit":
+        assert re.search(r'\[0\] +File ".*alone\.py", line \d+ in plain_jit', done.stderr), shown
+        assert re.search(r"\[1\] jddp: process 1 of 2 .*process 0 ", done.stderr), shown
+        return
+    named = f"process 0 called {call} alone (jddp collective call #"
+    # Process 0 exits 1 (the script's error) naming it too, unless gloo aborted it first (SIGABRT, its stack shown).
+    aborted = done.returncode == 128 + signal.SIGABRT
+    assert done.returncode == 1 or aborted, shown
+    for p in (1,) if aborted else (0, 1):
+        line = [x for x in done.stderr.splitlines() if x.startswith(f"[{p}] jddp: process {p} of 2 ")]
+        assert line and named in line[-1] and "process 1 was in DataParallel.step" in line[-1], shown
+    assert re.search(rf"cause, as process\(es\) \[[01, ]+\] found it: {re.escape(named)}", done.stderr), shown
+
+
 def test_barrier_times_out_naming_the_missing_process():
     codes, outputs = multiprocess.collect(multiprocess.spawn(GROUP, 2, 1, "barrier"), timeout=120)
     assert codes == [0, 0], multiprocess.show(codes, outputs)

@@ -82,6 +82,7 @@ class Checkpointer:
       ValueError: for bad options.
     """
 
+    @progress.collective_call("Checkpointer()")
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -215,6 +216,7 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
 
+    @progress.collective_call("Checkpointer.save")
     @_in_checkpoint_phase
     def save(self, state: TrainState, loader=None, *, wait: bool = False, extra=None) -> int:
         """Saves ``state`` (and ``loader``'s position) now, at the state's step; returns the step.
@@ -346,6 +348,7 @@ class Checkpointer:
                 ) from error
             raise
 
+    @progress.collective_call("Checkpointer.maybe_save", eager=False)  # every step: the watchdog publishes it
     def maybe_save(self, state: TrainState, loader=None, *, extra=None) -> bool:
         """Call once per training step, on every process. Saves every ``save_every`` steps and on preemption.
 
@@ -430,6 +433,7 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- restoring
 
+    @progress.collective_call("Checkpointer.restore_or_init")
     @_in_checkpoint_phase
     def restore_or_init(self, state: TrainState, loader=None, *, extra=None):
         """The newest loadable checkpoint restored into ``state``'s shardings, or ``state`` itself.

@@ -90,8 +90,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,6 +122,7 @@ SERVICE_GONE_S = 5.0
 SERVICE_READY = b"jddp coordinator: listening on"  # jddp.runtime.coordinator.READY
 SERVICE_STOP_SIGNAL = signal.SIGUSR1  # jddp.runtime.coordinator.STOP_SIGNAL
 SERVICE_GRACE_S = 10.0  # the service outlives a launcher killed without a word by this long, then ends
+NOTE_GLOB = re.compile(r"note-(\d+)\.json")  # jddp.runtime.watchdog.NOTE_FILE: what a process tells its launcher
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -443,6 +446,7 @@ class _Launcher:
         c = self.config
         # the goodput ledger's start of this attempt (JDDP_ATTEMPT_START); the first one starts with the launcher
         self.attempt_start = STARTED if attempt == 0 else time.time()
+        self.clear_notes()
         coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
         if c.node_rank == 0:
             self.start_service(coordinator)
@@ -523,6 +527,16 @@ class _Launcher:
             except (ProcessLookupError, PermissionError):
                 pass
 
+    def wait_silent(self, timeout: float) -> bool:
+        """``wait_all``, stopping at once the processes that a survivor names silent meanwhile."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.silent_named()
+            if self.wait_all(min(0.2, max(deadline - time.monotonic(), 0.0))):
+                return True
+        self.poll()
+        return all(w.code is not None for w in self.workers)
+
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -542,6 +556,47 @@ class _Launcher:
             self.signal_all(signal.SIGKILL)
             self.wait_all(30)
         self.finish_output()
+
+    def notes(self) -> dict[int, dict]:
+        """What the processes told this launcher (``jddp.runtime.watchdog.Watchdog.note``), by process index: the
+        peers a process found silent, the cause it found (a collective made by a subset of the processes), an early
+        end. Notes of an earlier attempt are removed when the next starts."""
+        found: dict[int, dict] = {}
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.note_dir):
+                match = NOTE_GLOB.fullmatch(name)
+                if match is None:
+                    continue
+                with contextlib.suppress(OSError, ValueError):
+                    with open(os.path.join(self.note_dir, name)) as f:
+                        note = json.load(f)
+                    if isinstance(note, dict):
+                        found[int(match.group(1))] = note
+        return found
+
+    def clear_notes(self) -> None:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.note_dir):
+                if NOTE_GLOB.fullmatch(name):
+                    os.remove(os.path.join(self.note_dir, name))
+
+    def stop_silent(self, silent: set[int], by: str) -> None:
+        """Stops at once the processes of this node that a survivor found silent for the peer timeout (SIGKILL:
+        stopped or holding the GIL, a silent process acts on no SIGTERM), instead of waiting for them first."""
+        self.poll()
+        for w in self.workers:
+            if w.process_id in silent and w.code is None:
+                w.unresponsive = True
+                self.output.say(f"process {w.process_id} was found silent by {by}: stopping it (SIGKILL)")
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.popen.pid, signal.SIGKILL)
+
+    def silent_named(self) -> None:
+        """Acts on the processes' notes of silent peers (``stop_silent``)."""
+        for p, note in sorted(self.notes().items()):
+            silent = {q for q in note.get("silent") or [] if isinstance(q, int)}
+            if silent & {w.process_id for w in self.workers if w.code is None}:
+                self.stop_silent(silent, f"process {p}")
 
     def finish_output(self) -> None:
         self.signal_all(signal.SIGKILL)  # leftovers of exited processes would hold the pipes open
@@ -648,6 +703,12 @@ class _Launcher:
         elif self.reports is not None and self.reports.reports(self.attempt):
             said = "; ".join(f"node {r.node}: {r.what}" for r in self.reports.reports(self.attempt))
             lines.append(f"first failure on another node ({said})")
+        causes: dict[str, list[int]] = {}
+        for p, note in sorted(self.notes().items()):
+            if isinstance(note.get("cause"), str):
+                causes.setdefault(note["cause"], []).append(p)
+        for cause, found_by in causes.items():
+            lines.append(f"cause, as process(es) {found_by} found it: {cause}")
         return "\n  ".join(["summary:", *lines])
 
     def first_failure(self) -> _Worker | None:
@@ -695,11 +756,17 @@ class _Launcher:
         """Nodes other than 0: tells node 0's launcher that this attempt failed here (``jddp.cli.reports``), so that a
         process frozen on node 0, which would never notice by itself, is stopped there too."""
         assert self.config.coordinator is not None  # --nnodes > 1 requires it
-        if first_failed is not None and first_failed.code is not None:
+        if first_failed is not None and first_failed.code == 0:  # exited 0 early: its peers stopped (the others' 69)
+            code, what = (
+                exitcodes.EXIT_PEER_LOST,
+                f"process {first_failed.process_id} exited 0 while its peers needed it",
+            )
+        elif first_failed is not None and first_failed.code is not None:
             code, what = first_failed.code, f"process {first_failed.process_id} {exitcodes.describe(first_failed.code)}"
         else:  # stopped when node 0's service went away: the failure was there
             code, what = exitcodes.EXIT_PEER_LOST, "its processes were stopped"
-        report = reports.Report(self.config.node_rank, attempt, code, what)
+        silent = sorted({q for note in self.notes().values() for q in note.get("silent") or [] if isinstance(q, int)})
+        report = reports.Report(self.config.node_rank, attempt, code, what, tuple(silent))
         reports.send(reports.address(net.split_address(self.config.coordinator)), report)
 
     def linger(self) -> None:
@@ -761,6 +828,8 @@ class _Launcher:
         if not elsewhere or all(w.code is not None for w in self.workers):
             return False
         said = "; ".join(f"node {r.node}: {r.what}" for r in elsewhere)
+        for r in elsewhere:  # a process of this node that a survivor there found silent: stopped at once
+            self.stop_silent(set(r.silent), f"a process of node {r.node}")
         if self.attempt < self.config.max_restarts:
             self.output.say(f"the group failed on another node ({said}); a restart follows: stopping this node's")
             self.stop_for_restart()
@@ -788,6 +857,7 @@ class _Launcher:
                 self.stop_after_signal(self.signal_received)
                 return "signal", None
             self.poll()
+            self.silent_named()
             if self.remote_failure():
                 return "failed", self.first_failure()
             if self.service_gone() and any(w.code is None for w in self.workers):
@@ -813,13 +883,13 @@ class _Launcher:
                     self.stop_for_restart()
                     return "failed", first_failed
                 wait = (self.config.peer_timeout or DEFAULT_PEER_TIMEOUT_S) + 5
-                if exitcodes.is_peer_failure(first_failed.code):
+                if first_failed.code == exitcodes.EXIT_PEER_LOST:  # not SIGABRT: gloo aborts a process at once
                     wait = PEER_LOST_WAIT_S
                 self.output.say(
                     f"process {first_failed.process_id} {what}; waiting up to {wait:g} s for the others to end, "
                     "then stopping them"
                 )
-                if not self.wait_all(wait):
+                if not self.wait_silent(wait):
                     self.stop_all(self.config.kill_grace)
                 self.poll()
                 return "failed", self.first_failure() or first_failed
@@ -827,6 +897,9 @@ class _Launcher:
                 self.finish_output()
                 if any(w.code == exitcodes.EXIT_PREEMPTED for w in self.workers):
                     return "preempted", None
+                early = [w for w in self.workers if self.notes().get(w.process_id, {}).get("early")]
+                if early:  # exited 0, but its peers (on other nodes) stopped waiting for it: the run failed
+                    return "failed", min(early, key=lambda w: w.ended or 0.0)
                 return "ok", None
             time.sleep(self.config.monitor_interval)
 

@@ -48,6 +48,7 @@ class Report:
     attempt: int
     code: int
     what: str
+    silent: tuple[int, ...] = ()  # processes (of any node) that a process there found silent: stopped at once
 
 
 def address(coordinator: tuple[str, int]) -> tuple[str, int]:
@@ -69,7 +70,10 @@ def parse(data: bytes, nnodes: int) -> Report | None:
         return None
     if not 0 < node < nnodes or attempt < 0:
         return None
-    return Report(node, attempt, code, what[:500])
+    silent = obj.get("silent", [])
+    if not (isinstance(silent, list) and all(_is_int(p) and p >= 0 for p in silent)):
+        return None
+    return Report(node, attempt, code, what[:500], tuple(silent[:1024]))
 
 
 def _is_int(value: object) -> TypeGuard[int]:

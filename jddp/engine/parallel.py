@@ -273,6 +273,7 @@ class DataParallel:
 
     # ----------------------------------------------------------------- init
 
+    @progress.collective_call("DataParallel.init")
     def init(
         self,
         params: jt.Params,
@@ -328,6 +329,7 @@ class DataParallel:
 
     # ----------------------------------------------------------------- step
 
+    @progress.collective_call("DataParallel.step", eager=False)  # every step: published by the watchdog
     def step(self, state: state_lib.TrainState, batch: jt.Batch) -> tuple[state_lib.TrainState, metrics_lib.Metrics]:
         """One training step on a global batch.
 
@@ -389,6 +391,7 @@ class DataParallel:
         progress.heartbeat(progress.PROGRESS.step + 1)
         return new_state, metrics_lib.Metrics(names, packed)
 
+    @progress.collective_call("DataParallel.eval_step")
     def eval_step(self, state: state_lib.TrainState, batch: jt.Batch) -> metrics_lib.Metrics:
         """Exact global means of the evaluation metrics over the batch's real examples.
 
@@ -416,6 +419,7 @@ class DataParallel:
         progress.heartbeat()
         return metrics_lib.Metrics(self._device.names["eval"], packed)
 
+    @progress.collective_call("DataParallel.evaluate")
     def evaluate(self, state: state_lib.TrainState, batches: Iterable[jt.Batch]) -> dict[str, float]:
         """Exact means of the evaluation metrics over every real example of ``batches``.
 
@@ -464,6 +468,7 @@ class DataParallel:
             raise RuntimeError("The backend gives no compiled HLO text, so the step's collectives cannot be listed.")
         return comm.CommReport.from_hlo(hlo, reduce_dtype=self.options.reduce_dtype, lowered_text=lowered.as_text())
 
+    @progress.collective_call("DataParallel.check_replicas")
     def check_replicas(self, state: state_lib.TrainState) -> None:
         """Raises ``ReplicaMismatchError`` naming the leaf, the devices and the processes where replicas of
         ``state`` differ (a 64-bit checksum of every copy, on its device; see ``jddp.engine.replicas``).

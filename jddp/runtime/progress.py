@@ -48,6 +48,7 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from jddp import envvars, exitcodes, validate
@@ -57,6 +58,9 @@ WINDOW = 256  # recent tick intervals the bound is learned from
 # checkpoint, one named by the user) may take any time up to the ceiling.
 LEARNED = frozenset({"step", "eval", "data", "user"})
 FLIGHT_FILE = "flight-process-{}.txt"
+CALL_HISTORY = 8  # names of the last collective calls published with the heartbeat
+COLLECTIVE_CALLS: list[str] = []  # every name given to ``collective_call``, in the order the modules declared them
+ANNOUNCE: Callable[[], None] | None = None  # set by the watchdog in a group: publishes this process's calls now
 
 
 @dataclasses.dataclass
@@ -108,6 +112,11 @@ class Progress:
         self.programs = 0  # compiled-program calls completed (their outputs waited for)
         self.last_done = "none"  # the last of them (those in flight: dispatch.DISPATCHER.in_flight())
         self.settings = Settings()
+        # jddp's collective calls (``collective_call``): how many began, how deep the current one is nested, and
+        # the names of the last CALL_HISTORY (the last is call number ``call_seq``'s).
+        self.call_seq = 0
+        self.call_depth = 0
+        self.call_names: collections.deque[str] = collections.deque(maxlen=CALL_HISTORY)
 
     def tick(self, step: int | None = None) -> None:
         now = time.monotonic()
@@ -197,6 +206,146 @@ class phase:  # lower case: used like a function, `with jddp.phase("export"):`
             p.phase, p.since = "user", time.monotonic()
         else:
             p.phase, p.since = self.previous, self.since
+
+
+# ------------------------------------------------------------------------------------------ collective calls
+
+
+class collective_call:  # lower case: a decorator
+    """Marks a jddp call that every process of a group must make (``@collective_call("Checkpointer.save")``).
+
+    Each call numbers itself (the ``n``-th collective call of this process; a call made inside another counts
+    as the outer one) at the cost of a few attribute writes; the watchdog publishes the numbers and names with
+    its heartbeat (``calls_text``), so that a call made by a subset of the processes is named with the processes
+    that made it (``mismatch``) instead of ending in gloo's "Received data size doesn't match" or a hang.
+    """
+
+    __slots__ = ("eager", "name")
+
+    def __init__(self, name: str, *, eager: bool = True):
+        self.name = name
+        self.eager = eager  # publish at once (``ANNOUNCE``): calls made once in a while, not every step
+        if name not in COLLECTIVE_CALLS:
+            COLLECTIVE_CALLS.append(name)
+
+    def __enter__(self) -> None:
+        p = PROGRESS
+        if not p.call_depth:
+            p.call_seq += 1
+            p.call_names.append(self.name)
+            if self.eager and ANNOUNCE is not None:
+                # Before the call's collectives: gloo may abort this process from C++ the moment a peer's data
+                # does not match, before the watchdog's next round would have published the call.
+                ANNOUNCE()
+        p.call_depth += 1
+
+    def __exit__(self, *exc) -> None:
+        PROGRESS.call_depth -= 1
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def calls_text() -> str:
+    """This process's collective calls as published: ``seq:inside:name,name,...`` (the last name is call
+    ``seq``'s)."""
+    p = PROGRESS
+    return f"{p.call_seq}:{int(p.call_depth > 0)}:{','.join(p.call_names)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """A process's collective calls as published (``calls_text``)."""
+
+    seq: int
+    inside: bool
+    names: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str | None) -> Calls | None:
+        try:
+            seq, inside, names = (text or "").split(":", 2)
+            return cls(int(seq), inside == "1", tuple(n for n in names.split(",") if n))
+        except ValueError:
+            return None
+
+    def name_at(self, seq: int) -> str | None:
+        """The name of call number ``seq``, if it is among the last ``CALL_HISTORY``."""
+        back = self.seq - seq
+        if seq < 1 or not 0 <= back < len(self.names):
+            return None
+        return self.names[-1 - back]
+
+    def describe(self) -> str:
+        if not self.seq:
+            return "no jddp collective call yet"
+        last = self.names[-1] if self.names else "?"
+        return (
+            f"in {last} (its collective call #{self.seq})"
+            if self.inside
+            else (f"outside jddp's collective calls (the last: {last}, #{self.seq})")
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """Processes that made different jddp collective calls as their call number ``seq``."""
+
+    seq: int
+    groups: dict[str, tuple[int, ...]]  # call name -> the processes that made it
+    odd: str  # the name of the call made by the fewest processes (that broke its processes' routine)
+
+    def culprits(self) -> tuple[int, ...]:
+        return self.groups[self.odd]
+
+    def describe(self) -> str:
+        def who(ps: tuple[int, ...]) -> str:
+            return f"process {ps[0]}" if len(ps) == 1 else f"processes {list(ps)}"
+
+        odd = self.culprits()
+        alone = "alone" if len(odd) == 1 else "without the others"
+        others = "; ".join(
+            f"{who(ps)} {'was' if len(ps) == 1 else 'were'} in {name} (call #{self.seq} there)"
+            for name, ps in sorted(self.groups.items(), key=lambda kv: kv[1])
+            if name != self.odd
+        )
+        return (
+            f"{who(odd)} called {self.odd} {alone} (jddp collective call #{self.seq}); {others}. Every process must "
+            "make the same jddp collective calls in the same order: a call under `if jax.process_index() == 0:` is "
+            "made by process 0 alone (call it on every process; jddp's saves and checks already write once)"
+        )
+
+
+def mismatch(calls: dict[int, Calls]) -> Mismatch | None:
+    """The processes' different calls at the lowest call number any of them has reached, or None when they agree
+    there (a process ahead has made the same call before moving on)."""
+    if len(calls) < 2:
+        return None
+    seq = min(c.seq for c in calls.values())
+    if seq < 1:
+        return None
+    groups: dict[str, list[int]] = {}
+    for p, c in sorted(calls.items()):
+        name = c.name_at(seq)
+        if name is not None:
+            groups.setdefault(name, []).append(p)
+    if len(groups) < 2:
+        return None
+
+    def oddness(item: tuple[str, list[int]]) -> tuple[int, int, str]:
+        name, ps = item
+        routine = all(calls[p].name_at(seq - 1) == name for p in ps)  # the same call as each one's call before
+        return len(ps), int(routine), name
+
+    odd = min(groups.items(), key=oddness)[0]
+    return Mismatch(seq, {name: tuple(ps) for name, ps in groups.items()}, odd)
 
 
 # ----------------------------------------------------------------------------------------- the published value

@@ -74,6 +74,10 @@ from jddp import envvars, exitcodes
 from jddp.runtime import jax_internals, progress
 
 MAX_ROUND_S = 1.0  # the longest time between two watchdog rounds, whatever the peer timeout
+# How long the processes of a collective call mismatch (``progress.mismatch``) must all wait in it before they
+# stop: a host collective of two kinds at one place raises by itself in far less (``jddp.runtime.host``).
+MISMATCH_S = 5.0
+NOTE_FILE = "note-{}.json"  # in the launcher's folder: what this process tells it (``Watchdog.note``)
 
 ALIVE_PREFIX = "jddp/alive/"
 DONE = "done"
@@ -87,16 +91,26 @@ WHERE_PREFIX = "jddp/where/"  # after a stall: each process's main-thread frame
 _watchdog: Watchdog | None = None
 
 
-def _entries(entries) -> tuple[dict[int, str], str | None]:
-    """The heartbeat values by process, and the stall verdict if one was published."""
-    values, verdict = {}, None
+def _entries(entries) -> tuple[dict[int, str], str | None, dict[int, progress.Calls]]:
+    """The heartbeat values by process (their state, or their progress while running), the stall verdict if one
+    was published, and each process's collective calls (published after a ``|`` in the same value)."""
+    values, verdict, calls = {}, None, {}
     for key, value in entries:
         name = key.rsplit("/", 1)[1]
         if name.isdigit():
+            value, _, text = value.partition("|")
             values[int(name)] = value
+            parsed = progress.Calls.parse(text)
+            if parsed is not None:
+                calls[int(name)] = parsed
         elif key == STALL_KEY:
             verdict = value
-    return values, verdict
+    return values, verdict, calls
+
+
+def _value(state: str) -> str:
+    """A heartbeat value: the state (or progress), then this process's collective calls."""
+    return f"{state}|{progress.calls_text()}"
 
 
 LAUNCH_FOLDER_PREFIX = "jddp-launch-"  # jddp.cli.launch's temporary folder (JDDP_LEDGER_NOTE's parent)
@@ -121,6 +135,12 @@ def start(client, process_id: int, num_processes: int, coordinator: str | None, 
     _watchdog = Watchdog(client, process_id, num_processes, coordinator, peer_timeout_s)
     _watchdog.start()
     _install_exit_hooks()
+    progress.ANNOUNCE = _watchdog.announce
+    # A process that gloo aborts from C++ (a collective made by a subset of the processes: "Received data size
+    # doesn't match") prints where its Python threads were, the script's call among them.
+    with contextlib.suppress(ValueError, OSError, RuntimeError, AttributeError):
+        if sys.__stderr__ is not None and not faulthandler.is_enabled():
+            faulthandler.enable(file=sys.__stderr__)
     return _watchdog
 
 
@@ -136,8 +156,11 @@ class Watchdog(threading.Thread):
         # T / 10 alone made that delay grow with the peer timeout (bound + 9 to 11 s at T = 30 s).
         self.interval = max(0.05, min(peer_timeout_s / 10, MAX_ROUND_S))
         # Under jddp launch (which sets JDDP_LEDGER_NOTE for its workers only): the launcher is this process's parent.
-        self.note = envvars.get("JDDP_LEDGER_NOTE")
-        self.launcher = os.getppid() if self.note else None
+        self.note_path = envvars.get("JDDP_LEDGER_NOTE")
+        self.launcher = os.getppid() if self.note_path else None
+        self.mismatch_key: object = None  # the call mismatch seen (``_stuck``), and since when
+        self.mismatch_since = 0.0
+        self.counter = 0  # the heartbeat's round counter
         self.launcher_gone = False
         self.state: str | None = None  # None while running, then DONE or FAILED
         self.stopped = threading.Event()
@@ -170,6 +193,15 @@ class Watchdog(threading.Thread):
             raise value
         return value
 
+    def announce(self) -> None:
+        """Publishes this process's heartbeat value now, with its collective calls (from the main thread, as a
+        collective call begins: ``progress.collective_call``); gives up after a second."""
+        if self.state is not None or self.stopped.is_set():
+            return
+        value = _value(progress.publish(self.counter, self.waiting_since is not None))
+        with contextlib.suppress(Exception):
+            self.call(self.client.key_value_set, self.key, value, allow_overwrite=True, timeout_s=1.0)
+
     def run(self) -> None:
         try:
             self._watch()
@@ -181,7 +213,7 @@ class Watchdog(threading.Thread):
         last_value: dict[int, str | None] = dict.fromkeys(peers)
         last_change = dict.fromkeys(peers, time.monotonic())
         last_round = time.monotonic()
-        counter = 0
+        self.counter = 0
         everyone = range(self.num_processes)
         last_ticks: dict[int, int | None] = dict.fromkeys(everyone)
         last_tick_seen = dict.fromkeys(everyone, time.monotonic())
@@ -191,11 +223,11 @@ class Watchdog(threading.Thread):
             # case where the peers declare this process lost), Python's faulthandler prints every thread's stack
             # to stderr from a C thread of its own ("Timeout (0:00:30)!"), so the stuck process says where it is.
             _arm_stack_dump(self.peer_timeout_s)
-            counter += 1
+            self.counter += 1
             if self.launcher is not None and not self.launcher_gone and os.getppid() != self.launcher:
                 self._launcher_lost()
             try:
-                value = self.state or progress.publish(counter, self.waiting_since is not None)
+                value = _value(self.state or progress.publish(self.counter, self.waiting_since is not None))
                 self.call(self.client.key_value_set, self.key, value, allow_overwrite=True)
                 entries = self.call(self.client.key_value_dir_get, ALIVE_PREFIX)
             except Exception as error:
@@ -212,7 +244,8 @@ class Watchdog(threading.Thread):
             now = time.monotonic()
             starved = now - last_round > self.peer_timeout_s / 2
             last_round = now
-            values, verdict = _entries(entries)
+            values, verdict, calls = _entries(entries)
+            calls[self.process_id] = progress.Calls.parse(progress.calls_text())  # type: ignore[assignment]
             if verdict is not None and self.state is None:
                 self._stalled(verdict, values)
                 return
@@ -231,6 +264,12 @@ class Watchdog(threading.Thread):
                     f"lost process(es) {silent}: no sign of life for more than {self.peer_timeout_s:g} s "
                     "(killed, crashed or frozen)"
                 )
+            found = progress.mismatch({p: c for p, c in calls.items() if values.get(p) != DONE})
+            if found is not None and self.state is None and (reason is not None or self._stuck(found, values, now)):
+                self._mismatched(found, reason)
+                return
+            if reason is not None and self.state is None:
+                reason += "; " + self._calls_clause(calls, values)
             ended = [p for p in peers if values.get(p) == DONE]
             since = self.waiting_since
             shutdown = False
@@ -242,7 +281,7 @@ class Watchdog(threading.Thread):
                 )
                 shutdown = True  # nobody is dead: leave the group cleanly, so that the DONE ones exit with their code
             if reason is not None:
-                self._end(reason, shutdown=shutdown)
+                self._end(reason, shutdown=shutdown, silent=silent)
                 return
             if self.state is None and progress.PROGRESS.settings.enabled:
                 seen = {p: progress.Seen.parse(values.get(p)) for p in everyone}
@@ -305,7 +344,7 @@ class Watchdog(threading.Thread):
             key = f"{WHERE_PREFIX}{self.process_id}"
             self.call(self.client.key_value_set, key, where, allow_overwrite=True, timeout_s=2.0)
         with contextlib.suppress(Exception):
-            self.call(self.client.key_value_set, self.key, STALLED, allow_overwrite=True, timeout_s=2.0)
+            self.call(self.client.key_value_set, self.key, _value(STALLED), allow_overwrite=True, timeout_s=2.0)
         # Wait briefly until every process has written its record and said where it is (their watchdogs see the
         # verdict within a round): an early exit would break the others' collectives before they have.
         places: dict[int, str] = {}
@@ -317,7 +356,7 @@ class Watchdog(threading.Thread):
                     int(k.rsplit("/", 1)[1]): v
                     for k, v in self.call(self.client.key_value_dir_get, WHERE_PREFIX, timeout_s=2.0)
                 }
-                values, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
+                values, _, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
                 if all(values.get(p) in ENDED for p in peers) and all(p in places for p in behind):
                     break
             time.sleep(self.interval / 4)
@@ -335,7 +374,7 @@ class Watchdog(threading.Thread):
     def _launcher_lost(self) -> None:
         """The launcher (this process's parent) is gone: see the module docstring."""
         self.launcher_gone = True
-        folder = os.path.dirname(self.note or "")
+        folder = os.path.dirname(self.note_path or "")
         if os.path.basename(folder).startswith(LAUNCH_FOLDER_PREFIX):
             shutil.rmtree(folder, ignore_errors=True)
         message = (
@@ -351,14 +390,73 @@ class Watchdog(threading.Thread):
         else:
             self._end(f"lost its launcher (pid {self.launcher}, jddp launch): killed or crashed")
 
-    def _end(self, reason: str, *, shutdown: bool = False) -> None:
+    def _stuck(self, found: progress.Mismatch, values: dict[int, str], now: float) -> bool:
+        """Whether the processes of a call mismatch have all waited in it (or for their peers) for
+        ``MISMATCH_S``: no call of theirs ends by itself then (a device collective waits forever)."""
+        key = (found.seq, tuple(sorted(found.groups.items())))
+        if key != self.mismatch_key:
+            self.mismatch_key, self.mismatch_since = key, now
+        for ps in found.groups.values():
+            for p in ps:
+                if p == self.process_id:
+                    waits = self.waiting_since is not None or progress.PROGRESS.call_depth > 0
+                else:
+                    seen = progress.Seen.parse(values.get(p))
+                    waits = seen is None or seen.waiting or values.get(p) in ENDED
+                if not waits:
+                    self.mismatch_since = now
+                    return False
+        return now - self.mismatch_since >= max(MISMATCH_S, 3 * self.interval)
+
+    def _mismatched(self, found: progress.Mismatch, reason: str | None) -> None:
+        """A collective made by a subset of the processes: the ones that made it exit 1 (their script's error),
+        the others 69, each naming the call and the processes that made it."""
+        odd = self.process_id in found.culprits()
+        then = f" (then: {reason})" if reason is not None else ""
+        self._fail(
+            f"stopped: {found.describe()}{then}",
+            code=1 if odd else exitcodes.EXIT_PEER_LOST,
+            mark=FAILED if odd else LOST,
+            cause=found.describe(),
+        )
+
+    def _calls_clause(self, calls: dict[int, progress.Calls], values: dict[int, str]) -> str:
+        """Where each process was among jddp's collective calls, for a message about a lost peer."""
+        parts = []
+        for p, c in sorted(calls.items()):
+            who = "this process" if p == self.process_id else f"process {p}"
+            parts.append(f"{who} {c.describe()}")
+        return "as last published: " + ", ".join(parts) if parts else "no collective calls published"
+
+    def _end(self, reason: str, *, shutdown: bool = False, silent: list[int] | None = None) -> None:
         """A running process exits with 69; one that is exiting already (DONE) stops waiting for its peers."""
         if self.state is None:
-            self._fail(reason, shutdown=shutdown)
+            self._fail(reason, shutdown=shutdown, silent=silent)
         self.peers_gone = reason
 
+    def note(self, **fields) -> None:
+        """Under ``jddp launch``: a note for the launcher (``jddp.cli.launch`` reads ``note-<process>.json`` in its
+        folder): the peers this process found silent (stopped at once there), the cause it found, an early end."""
+        folder = os.path.dirname(self.note_path or "")
+        if self.launcher_gone or not os.path.basename(folder).startswith(LAUNCH_FOLDER_PREFIX):
+            return
+        import json
+
+        path = os.path.join(folder, NOTE_FILE.format(self.process_id))
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                json.dump({"process": self.process_id, **fields}, f)
+            os.replace(path + ".tmp", path)
+
     def _fail(
-        self, reason: str, *, shutdown: bool = False, code: int = exitcodes.EXIT_PEER_LOST, mark: str = LOST
+        self,
+        reason: str,
+        *,
+        shutdown: bool = False,
+        code: int = exitcodes.EXIT_PEER_LOST,
+        mark: str = LOST,
+        silent: list[int] | None = None,
+        cause: str | None = None,
     ) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -366,9 +464,10 @@ class Watchdog(threading.Thread):
             except Exception:
                 pass
         message = f"jddp: process {self.process_id} of {self.num_processes} {reason}; exiting with code {code}.\n"
+        self.note(code=code, reason=reason, silent=sorted(silent or []), cause=cause)
         os.write(2, message.encode())
         with contextlib.suppress(Exception):  # tell the peers, briefly: the coordinator may be what was lost
-            self.call(self.client.key_value_set, self.key, mark, allow_overwrite=True, timeout_s=2.0)
+            self.call(self.client.key_value_set, self.key, _value(mark), allow_overwrite=True, timeout_s=2.0)
         if self.process_id == 0 and not shutdown:
             self.linger()
         if shutdown:
@@ -387,7 +486,7 @@ class Watchdog(threading.Thread):
         peers = set(range(self.num_processes)) - {self.process_id}
         while time.monotonic() < deadline:
             try:
-                values, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
+                values, _, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
             except Exception:
                 return
             if all(values.get(p) in ENDED for p in peers):
@@ -398,7 +497,7 @@ class Watchdog(threading.Thread):
     def mark(self, state: str) -> None:
         self.state = state
         with contextlib.suppress(Exception):
-            self.call(self.client.key_value_set, self.key, state, allow_overwrite=True, timeout_s=5.0)
+            self.call(self.client.key_value_set, self.key, _value(state), allow_overwrite=True, timeout_s=5.0)
 
 
 def group_healthy() -> bool:
@@ -445,10 +544,12 @@ def _install_exit_hooks() -> None:
             # to name the lost process (it ends this process), and only then blame this process.
             print(
                 f"jddp: a collective failed on process {watchdog.process_id}; waiting up to "
-                f"{watchdog.peer_timeout_s:g} s to find out which peer is lost",
+                f"{watchdog.peer_timeout_s:g} s to find out which peer is lost, or which call the processes made "
+                "apart",
                 file=sys.stderr,
                 flush=True,
             )
+            watchdog.waiting_since = time.monotonic()  # waits for its peers: a call mismatch is judged meanwhile
             time.sleep(watchdog.peer_timeout_s + 3 * watchdog.interval)
         watchdog.mark(FAILED)
 
@@ -493,12 +594,17 @@ def _at_exit() -> None:
     peers = set(range(watchdog.num_processes)) - {watchdog.process_id}
     while watchdog.peers_gone is None:
         try:
-            values, _ = _entries(watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX))
+            values, _, _ = _entries(watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX))
         except Exception:
             break  # the coordinator is gone: nothing left to wait for
         if all(values.get(p) in ENDED for p in peers):
             break
         time.sleep(watchdog.interval)
+    with contextlib.suppress(Exception):
+        values, _, _ = _entries(watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
+        lost = sorted(p for p in peers if values.get(p) == LOST)
+        if lost:  # they stopped waiting for this process, which had ended: the run failed, whatever its exit code
+            watchdog.note(early=True, reason=f"ended while process(es) {lost} still needed it; they stopped (69)")
     watchdog.stopped.set()
     watchdog.join(timeout=5)
 
