@@ -703,8 +703,13 @@ class _Launcher:
         elif self.reports is not None and self.reports.reports(self.attempt):
             said = "; ".join(f"node {r.node}: {r.what}" for r in self.reports.reports(self.attempt))
             lines.append(f"first failure on another node ({said})")
+        notes = self.notes()
+        if first_failed is not None and first_failed.code == exitcodes.EXIT_PEER_LOST:
+            said = notes.get(first_failed.process_id, {}).get("reason")
+            if isinstance(said, str):  # whom it lost and why, in its own words (another node's process, maybe)
+                lines.append(f"process {first_failed.process_id} said: {said}")
         causes: dict[str, list[int]] = {}
-        for p, note in sorted(self.notes().items()):
+        for p, note in sorted(notes.items()):
             if isinstance(note.get("cause"), str):
                 causes.setdefault(note["cause"], []).append(p)
         for cause, found_by in causes.items():
