@@ -565,6 +565,8 @@ ACCEPTED: dict[tuple[str, str, str], str] = {
     ("jddp.config.save", "path", "missing-parent"): "the file's directory is created with its parents",
     ("jddp.config.save", "path", "file"): "an existing file is replaced (atomically): a rerun rewrites its config.yaml",
     ("jddp.config.run_field", "default", "None"): "a config field may default to None (`devices: int | None`)",
+    ("jddp.data.DataLoader", "worker_count", "zero"): "0 workers: the batches are read in this process (documented)",
+    ("jddp.data.DataLoader", "prefetch", "zero"): "0: nothing read ahead, a block is read when it is due (documented)",
     ("jddp.models.to_host", "tree", "*"): "any pytree: its array leaves are copied to the host, others kept",
     ("jddp.host_all_gather", "value", "tuple-of-args"): "any picklable value: a tuple is one",
     ("jddp.host_broadcast", "value", "tuple-of-args"): "any picklable value: a tuple is one",
@@ -580,6 +582,18 @@ ACCEPTED: dict[tuple[str, str, str], str] = {
     ("jddp.Checkpointer", "preemption_check_s", "zero"): "0: the preemption flag is read at every maybe_save",
     ("jddp.host_all_gather", "value", "None"): "any picklable value: None is one",
     ("jddp.host_broadcast", "value", "None"): "any picklable value: None is one",
+    ("jddp.DataParallel.evaluate", "batches", "list-of-examples"): "a list of batches is what `batches` is: the "
+    "generated list holds one whole batch",
+    ("jddp.TrainState", "params", "tuple-of-args"): "params are any pytree of arrays: a tuple is one",
+    ("jddp.TrainState", "opt_state", "tuple-of-args"): "the optimizer state is any pytree of arrays: a tuple is one",
+    ("jddp.TrainState", "model_state", "tuple-of-args"): "the model state is any pytree of arrays: a tuple is one",
+    ("jddp.masked_mean", "*", "numpy-copy"): "a NumPy array is an array: masked_mean takes them as jnp functions do",
+    ("jddp.replicated", "mesh", "other-axis"): "held whole on every device of any mesh: the data axis is not used",
+    ("jddp.checkpoint.digest_array", "tree", "tuple-of-args"): "any pytree of jax.Arrays: a tuple is one",
+    ("jddp.checkpoint.state_digests", "tree", "tuple-of-args"): "any pytree of jax.Arrays: a tuple is one",
+    ("jddp.CommReport.from_hlo", "*", "empty"): "a program text without collectives gives an empty report, an empty "
+    "text too (the factory's own call)",
+    ("jddp.fit", "log_every", "None"): "None: one training record, at the last step (documented in fit's Args)",
 }
 
 # Refusals still missing where this test may not fix them (files being edited by others): the finding and the
@@ -587,52 +601,13 @@ ACCEPTED: dict[tuple[str, str, str], str] = {
 KNOWN: dict[tuple[str, str, str], str] = {}
 
 # Callables whose generated calls kill the process (a segfault in XLA): not run until fixed, the reason says what.
-KILLS_THE_PROCESS: dict[str, str] = {
-    "jddp.fit": "after ~60 generated fit calls (several accepted, several refused), one more fit (log_dir in a new "
-    "directory, alone fine) dies in XLA executing a donated buffer ('Buffer has been deleted or donated', then "
-    "SIGSEGV) in DataParallel.step: a donated buffer still referenced across fit runs (dispatch/prefetch state)",
-}
+KILLS_THE_PROCESS: dict[str, str] = {}
 
 # Callables whose generated calls still find something (class: count), with where the fix goes. The test of each
 # is an expected failure (strict): when its findings are fixed it passes, and the entry must go.
 PENDING: dict[str, str] = {
     # files being edited by others right now (see the report of the change that added this test)
-    "jddp.data.DataLoader": "jddp/data/loader.py: bools via validate.check_bool, worker_count/prefetch check_int",
-    "jddp.data.DataLoader.skip": "jddp/data/loader.py: timeout_s via validate.check_number",
-    "jddp.data.DataLoader.set_state": "jddp/data/loader.py: state must be a dict from get_state (TypeError naming it)",
-    "jddp.data.DataLoader.to_global": "jddp/data/loader.py: local must be the dict local_batches yields (TypeError "
-    "naming local: a dict of host arrays sharing one leading size, numbers only)",
-    "jddp.DataParallel.step": "jddp/engine/checks.py check_batch (being edited): a deleted jax.Array leaf refused "
-    "naming batch (it reached tracing as a wrong shape), a list of examples refused naming batch",
-    "jddp.DataParallel.eval_step": "as DataParallel.step: checks.check_batch",
-    "jddp.DataParallel.comm_report": "as DataParallel.step: checks.check_batch",
-    "jddp.DataParallel.evaluate": "jddp/engine/parallel.py evaluate: batches must be an iterable of batches (a dict "
-    "or a str is iterated as keys/characters); errors name `batches`",
-    "jddp.DataParallel.init": "jddp/engine/parallel.py init: params=None (no leaves) refused naming params; a "
-    "deleted rng refused naming rng (checks.key_data)",
     # not yet fixed (time): the fix in each
-    "jddp.TrainState": "runtime/state.py: __post_init__ checking step a scalar int array, rng uint32[2] key data, "
-    "params/opt_state/model_state pytrees of arrays (users build it by replace, rarely by hand)",
-    "jddp.masked_mean": "engine/reduce.py: values/mask real arrays of one leading size, live (not deleted); "
-    "errors naming values/mask",
-    "jddp.DataParallel": "jddp/engine/parallel.py: donate via check_bool; loss_fn/eval_fn callable; optimizer an "
-    "optax.GradientTransformation; mesh a Mesh with the data axis",
-    "jddp.DataParallel.assert_replicas_identical": "parallel.py: checks.check_call's state checks (a TrainState)",
-    "jddp.DataParallel.check_replicas": "parallel.py: checks.check_call's state checks (a TrainState)",
-    "jddp.CommReport.count": "engine/comm.py: op must be one of the collective names (ValueError naming op)",
-    "jddp.CommReport.nbytes": "engine/comm.py: op must be one of the collective names",
-    "jddp.CommReport.wire_bytes": "engine/comm.py: op must be a collective name or None",
-    "jddp.CommReport.from_hlo": "engine/comm.py: hlo_text/lowered_text check_str, reduce_dtype a dtype",
-    "jddp.RunningMeans": "engine/metrics.py: parent must be a RunningMeans or None",
-    "jddp.RunningMeans.add": "engine/metrics.py: metrics must be a jddp.Metrics (TypeError naming metrics)",
-    "jddp.RunningMeans.set_state": "engine/metrics.py: state must be a dict from get_state",
-    "jddp.batch_sharding": "runtime/mesh.py: mesh must be a jax Mesh with the data axis",
-    "jddp.replicated": "runtime/mesh.py: mesh must be a jax Mesh",
-    "jddp.data_mesh": "runtime/mesh.py: devices a non-empty list of jax.Device",
-    "jddp.checkpoint.config_fingerprint": "checkpoint/digest.py: a generator config refused naming config",
-    "jddp.checkpoint.digest_array": "checkpoint/digest.py: tree leaves arrays; layouts a list matching the leaves",
-    "jddp.checkpoint.state_digests": "checkpoint/digest.py: as digest_array",
-    "jddp.data.DistributedBatchSampler.load_state_dict": "data/sampler.py: state must be a dict (TypeError naming it)",
 }
 
 # OSError: a path that is a file where a directory is wanted (NotADirectoryError), raised by jddp naming it.

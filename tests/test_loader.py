@@ -311,12 +311,83 @@ def test_trains_like_pre_staged_batches():
         ({"x": np.zeros((5, 2)), "y": np.zeros(4)}, {"global_batch_size": 8}, ValueError, r"same length"),
         (object(), {"global_batch_size": 8}, TypeError, r"support `len\(\)` and indexing"),
         ({"x": np.zeros((16, 2))}, {"global_batch_size": 8, "worker_count": -1}, ValueError, r"worker_count=-1"),
+        ({"x": np.zeros((16, 2))}, {"global_batch_size": 8, "transform": "norm"}, TypeError, r"`transform` must be"),
+        (
+            {"x": np.zeros((16, 2))},
+            {"global_batch_size": 8, "batch_transform": {"f": len}},
+            TypeError,
+            r"`batch_transform` must be a function batch_transform\(batch, rng\) -> batch, or None",
+        ),
+        ({"x": np.zeros((16, 2))}, {"global_batch_size": 8, "shuffle": "no"}, TypeError, r"`shuffle` must be True"),
+        # PyTorch's TensorDataset habit, one level up: (source, batch size) as the source, 2 "examples"
+        (({"x": np.zeros((16, 2))}, 8), {"global_batch_size": 8}, ValueError, r"`source` is smaller than one"),
     ],
-    ids=["indivisible", "empty", "smaller-than-batch", "ragged-source", "no-len", "workers"],
+    ids=[
+        "indivisible",
+        "empty",
+        "smaller-than-batch",
+        "ragged-source",
+        "no-len",
+        "workers",
+        "transform",
+        "batch-transform",
+        "shuffle-str",
+        "tuple-source",
+    ],
 )
 def test_bad_arguments(src, kwargs, error, match):
     with pytest.raises(error, match=match):
         jddp.data.DataLoader(src, **kwargs)
+
+
+def test_skip_and_set_state_refuse_wrong_values_before_moving():
+    loader = jddp.data.DataLoader(source(100), global_batch_size=16, seed=1)
+    with pytest.raises(ValueError, match=r"`timeout_s` must be a finite number > 0.0 \(seconds\), got timeout_s=nan"):
+        loader.skip(2, timeout_s=float("nan"))
+    with pytest.raises(TypeError, match=r"`state` must be the dict that `state_dict\(\)` \(or DataLoader.get_state"):
+        loader.set_state(None)
+    assert loader.get_state()["position"] == 0 and loader.get_state()["skipped"] == []
+
+
+def test_iterating_consumes_and_local_batches_peeks():
+    """What the loader's docstring and the data guide say: a batch handed out by iteration advances the position
+    (``next(iter(loader))`` too); ``to_global(next(iter(local_batches())))`` is the same batch, position kept."""
+    loader = jddp.data.DataLoader(source(), global_batch_size=32, seed=5)
+    peek = loader.to_global(next(iter(loader.local_batches())))
+    assert loader.get_state()["position"] == 0
+    taken = next(iter(loader))
+    assert loader.get_state()["position"] == 1
+    assert host(peek).keys() == host(taken).keys()
+    for key in host(taken):
+        np.testing.assert_array_equal(np.asarray(peek[key]), np.asarray(taken[key]))
+    rest = list(loader)  # the epoch goes on from there: one batch fewer
+    assert len(rest) == len(loader) - 1 and loader.epoch == 1
+
+
+def deleted() -> jax.Array:
+    x = jax.numpy.ones((32, models.IN))
+    x.delete()
+    return x
+
+
+@pytest.mark.parametrize(
+    ("local", "error", "match"),
+    [
+        (None, TypeError, r"`local` must be what local_batches\(\) yields: a dict of arrays .*got NoneType"),
+        ([{"x": np.zeros((32, 2))}], TypeError, r"got list"),
+        ({}, ValueError, r"`local` must be .*, got an empty mapping"),
+        ({"x": np.zeros((32, 2)), "y": np.zeros(16)}, ValueError, r"must hold this process's 32 rows .*'y': 16"),
+        ({"x": np.zeros((3, 2))}, ValueError, r"`local` must hold this process's 32 rows in every array .*'x': 3"),
+        ({"x": np.float32(1.0)}, TypeError, r"got shape \(\) at 'x'"),
+        ({"x": np.array(["a"] * 32)}, TypeError, r"field 'x' of `local` has dtype <U1 \(strings\)"),
+        ({"x": deleted()}, ValueError, r"`local` holds a deleted jax.Array at 'x'"),
+    ],
+    ids=["none", "list", "empty", "mismatched", "rows", "scalar", "strings", "deleted"],
+)
+def test_to_global_refuses_what_local_batches_does_not_yield_naming_local(local, error, match):
+    loader = jddp.data.DataLoader(source(), global_batch_size=32, seed=5)
+    with pytest.raises(error, match=match):
+        loader.to_global(local)
 
 
 def test_state_from_another_dataset_is_refused():

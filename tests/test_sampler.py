@@ -208,4 +208,6 @@ def test_state_from_another_dataset_is_refused():
         s.load_state_dict({**s.state_dict(), "seed": 2})
     with pytest.raises(ValueError, match=r"lacks keys \['position'"):
         s.load_state_dict({"seed": 1})
+    with pytest.raises(TypeError, match=r"`state` must be the dict that `state_dict\(\)` .* returned, got int"):
+        s.load_state_dict(3)  # was Python's "argument of type 'int' is not iterable"
     assert s.position == 0  # nothing changed

@@ -329,6 +329,14 @@ class DataLoader:
     next epoch. ``get_state()``/``set_state()`` save and restore the position,
     also onto a different number of processes or devices.
 
+    Iterating consumes: every batch handed out advances the position (what
+    ``get_state()`` saves and a resumed run continues from), in any loop, not
+    only in ``fit``. So ``next(iter(loader))`` takes the epoch's first batch
+    away from the training that follows. To look at a batch without moving,
+    use ``loader.to_global(next(iter(loader.local_batches())))``
+    (``local_batches`` leaves the position where it is), or save
+    ``get_state()`` and ``set_state()`` it back.
+
     Args:
       source: a dict of equally long arrays, one array (yielded as ``"x"``), or
         any random-access source with ``len`` and ``[i]`` (a Grain data source).
@@ -400,6 +408,22 @@ class DataLoader:
             )
         validate.check_int("worker_count", worker_count, minimum=0)
         validate.check_int("prefetch", prefetch, minimum=0)
+        validate.check_bool("shuffle", shuffle)
+        validate.check_bool("drop_last", drop_last)
+        for name, fn, form in (
+            ("transform", transform, "transform(example, rng) -> example"),
+            ("batch_transform", batch_transform, "batch_transform(batch, rng) -> batch"),
+        ):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"`{name}` must be a function {form}, or None, got {name}={fn!r:.80}.")
+        validate.check_int("global_batch_size", global_batch_size)
+        if drop_last and size < global_batch_size:
+            raise ValueError(
+                f"`source` is smaller than one global batch with `drop_last=True`: dataset_size={size}, "
+                f"global_batch_size={global_batch_size}, so an epoch has no batch. Use a smaller batch or "
+                "drop_last=False (the batch is then padded with masked entries), or check `source`: len(source) is "
+                f"{size}."
+            )
         self.sampler = sampler_lib.DistributedBatchSampler(
             size,
             global_batch_size=global_batch_size,
@@ -480,6 +504,7 @@ class DataLoader:
           TimeoutError: after ``timeout_s``, naming the processes that did not call.
         """
         sampler_lib.check_skip(batches)
+        validate.check_number("timeout_s", timeout_s, unit="seconds")
         if jax.process_count() > 1:
             asked = host.host_all_gather((self.sampler.position, batches), timeout_s=timeout_s)
             if len(set(asked)) > 1:
@@ -614,6 +639,32 @@ class DataLoader:
         self._stream_position += 1
         return row, self._layout
 
+    def _checked_local(self, local: Any) -> Example:
+        """``local`` as ``to_global`` packs it: NumPy arrays in the dtypes the devices take, or an error naming it."""
+        what = "what local_batches() yields: a dict of arrays with one row per example"
+        if not isinstance(local, Mapping):
+            raise TypeError(f"`local` must be {what}, got {type(local).__name__}.")
+        if not local:
+            raise ValueError(f"`local` must be {what}, got an empty mapping.")
+        arrays = {}
+        for key, value in local.items():
+            if isinstance(value, jax.Array) and value.is_deleted():
+                raise ValueError(
+                    f"`local` holds a deleted jax.Array at {key!r} (donated to a step?); pass live arrays."
+                )
+            if not isinstance(value, np.ndarray | jax.Array) or value.ndim == 0:
+                shown = f"shape {value.shape}" if hasattr(value, "shape") else type(value).__name__
+                raise TypeError(f"`local` must be {what}, got {shown} at {key!r}.")
+            arrays[str(key)] = _canonical(str(key), np.asarray(value), "`local`")
+        rows = {k: len(v) for k, v in arrays.items()}
+        if set(rows.values()) != {self.sampler.local_batch_size}:
+            raise ValueError(
+                f"`local` must hold this process's {self.sampler.local_batch_size} rows in every array "
+                f"(global_batch_size={self.global_batch_size} over {self.sampler.num_replicas} process(es)), got "
+                f"rows {rows}."
+            )
+        return arrays
+
     def close(self) -> None:
         """Stops the read-ahead stream and its Grain workers; iterating again starts a new one."""
         _close_box(self._box)
@@ -623,6 +674,16 @@ class DataLoader:
 
         The arrays travel packed into one byte array (one buffer per device
         instead of one per array and device; see ``jddp.runtime.packing``).
+
+        Args:
+          local: what ``local_batches`` yields: a dict of arrays of this process's ``global_batch_size /
+            process_count`` rows each, numbers or bools.
+
+        Raises:
+          TypeError: ``local`` is not a dict of arrays, or holds strings or objects.
+          ValueError: ``local`` is empty, an array is deleted or has no rows, or the row counts are not this
+            process's share of the global batch.
         """
+        local = self._checked_local(local)
         data, layout = packing.pack(local)
         return packing.PackedBatch(self._transfer(data), layout)

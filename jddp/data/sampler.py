@@ -42,7 +42,7 @@ This module imports NumPy only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -267,9 +267,15 @@ class DistributedBatchSampler:
         """Continues the global sequence saved in ``state`` (any ``num_replicas``).
 
         Raises:
+          TypeError: if ``state`` is not a mapping.
           ValueError: if ``state`` lacks keys, or belongs to another dataset,
             seed, batch size, shuffle or drop_last setting.
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"`state` must be the dict that `state_dict()` (or DataLoader.get_state()) returned, got "
+                f"{type(state).__name__}."
+            )
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"Sampler state lacks keys {missing}; it must come from `state_dict()`.")
