@@ -36,6 +36,19 @@ def test_reports_between_launchers_are_parsed_strictly():
         assert reports.parse(data, 2) is None, data
 
 
+def test_a_report_carries_the_processes_found_silent_there():
+    """Node 0's launcher SIGKILLs at once a process of its own that a survivor on another node found silent: the
+    report says which (a list of process indices), and anything else there refuses the whole report."""
+    good = {"node": 1, "attempt": 0, "code": 69, "what": "process 1 stopped after losing a peer (exit 69)"}
+    line = json.dumps({**good, "silent": [0, 2]}).encode() + b"\n"
+    assert reports.parse(line, 2) == reports.Report(1, 0, 69, good["what"], (0, 2))
+    assert reports.parse(json.dumps(good).encode(), 2) == reports.Report(1, 0, 69, good["what"], ())
+    for silent in ("0", [0.0], [-1], [True], None, {"0": 1}):
+        assert reports.parse(json.dumps({**good, "silent": silent}).encode(), 2) is None, silent
+    sent = json.loads(json.dumps(dataclasses.asdict(reports.Report(1, 0, 69, "x", (0,)))))
+    assert sent["silent"] == [0] and reports.parse(json.dumps(sent).encode(), 2) == reports.Report(1, 0, 69, "x", (0,))
+
+
 def test_report_server_keeps_the_first_report_of_each_node_per_attempt():
     port = net.free_port()
     server = reports.ReportServer("127.0.0.1", port, nnodes=3)

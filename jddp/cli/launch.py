@@ -63,7 +63,17 @@ only failures, the cause is a process that exited 0 while the others still
 needed it (it returned early from the script, or called ``sys.exit(0)``): the
 summary names it, a restart follows as after any failure, and the launcher exits
 with the code of the first peer it left (69), never 0. The launcher exits 0 only
-when every process exited 0.
+when every process exited 0 and none of them saw its peers stop waiting for it.
+
+Notes from the processes: each process leaves a note in the launcher's temporary
+``jddp-launch-*`` folder (``note-<process>.json``, ``jddp.runtime.watchdog``) when it
+stops: the peers it found silent for the peer timeout, the cause it found (a
+collective made by a subset of the processes), or, for a process that exited 0,
+that its peers stopped waiting for it. The launcher SIGKILLs a process of its node
+that a note (or another node's report) names silent at once, instead of waiting
+for it (a stopped or GIL-holding process acts on no SIGTERM); the summary quotes
+the causes; and a process that ended early fails the attempt on its own node too
+(exit 69, reported to node 0), so that no launcher of a failed job exits 0.
 
 Signals: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every
 process (each runs in its own session, so a terminal's Ctrl-C reaches them only

@@ -52,6 +52,17 @@ then, with a ``Checkpointer`` open, it takes the preemption path (every
 process saves the agreed step and exits 75), else it exits 69 naming the
 launcher.
 
+Collective calls: the heartbeat value also carries this process's jddp collective
+calls (``progress.collective_call``: the number of the current one and the names of
+the last few). When the processes made different calls at one number (a
+``Checkpointer.save`` under ``if jax.process_index() == 0:`` against the others'
+``DataParallel.step``) and every one of them has waited ``MISMATCH_S`` in its call,
+or a peer failed meanwhile, each stops naming the call and the processes that made
+it: those exit 1, the others 69. A message about a lost peer says where each process
+was among these calls. Under ``jddp launch`` each process leaves its launcher a note
+as it stops (``note``): the peers it found silent, which the launcher then SIGKILLs
+at once, the cause it found, or an early end.
+
 The exit hooks: ``sys.excepthook`` marks this process FAILED (after giving the
 watchdog time to name a lost peer when a collective failed first), and an
 ``atexit`` hook marks it DONE and waits for every peer to finish.
