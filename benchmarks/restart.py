@@ -64,11 +64,13 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             f"log_dir={run_dir}/log", f"checkpoint_dir={run_dir}/ckpt",
         ]  # fmt: skip
         launcher = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-        ledger0 = Path(run_dir) / "log" / goodput.LEDGER_DIR / "attempt-0000.ledger"
+        ledgers_of = lambda: sorted((Path(run_dir) / "log" / goodput.LEDGER_DIR).glob("*/attempt-*.ledger"))
+        ledger0 = Path("/nonexistent")  # the run's folder is named by its id (jddp.goodput): found once it exists
         killed_at = None
         try:
             while kill_step is not None and killed_at is None and launcher.poll() is None:
                 time.sleep(0.02)
+                ledger0 = next(iter(ledgers_of()), ledger0)
                 if ledger0.exists() and goodput.read(ledger0)["last_step"] >= kill_step:
                     pids = workers(launcher.pid)
                     if len(pids) == 2:
@@ -81,7 +83,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
         if launcher.returncode != 0:
             print(f"  {mode}: the run failed (exit {launcher.returncode})", flush=True)
             return None
-        ledgers = sorted((Path(run_dir) / "log" / goodput.LEDGER_DIR).glob("attempt-*.ledger"))
+        ledgers = ledgers_of()
         if kill_step is None:
             only = goodput.read(ledgers[0])
             return {"first_step_s": only["first_step_end"] - only["attempt_start"]}

@@ -1,9 +1,16 @@
 """Process 0's record of a run: ``metrics.jsonl``, TensorBoard events and the loss plot (used by ``jddp.fit``).
 
 ``metrics.jsonl`` holds one JSON record per line (``step``, ``epoch``,
-``split`` = ``"train"`` or ``"eval"``, then the metrics), appended and flushed
-as the run goes, so a kill loses nothing already logged; a resumed run first
-drops the records after its restored step (``keep_until``).
+``split`` = ``"train"`` or ``"eval"``, ``run``, then the metrics), appended and
+flushed as the run goes, so a kill loses nothing already logged; a resumed run
+first drops its own records after its restored step (``keep_until``).
+
+Several runs in one ``log_dir`` (``jddp.goodput`` says what makes a run) are
+kept apart: every record of ``metrics.jsonl`` names its run (``run``), each
+run's TensorBoard events go to ``tensorboard/<run>/`` (a run of its own in
+TensorBoard's list), and ``loss.png`` draws the current run. With
+``other_runs="refuse"`` a new run into a ``log_dir`` holding another run's
+records or ledgers is refused instead (``check_other_runs``).
 """
 
 from __future__ import annotations
@@ -13,31 +20,55 @@ import os
 import sys
 from pathlib import Path
 
-METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
+METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR = "metrics.jsonl", "loss.png", "tensorboard"
+OTHER_RUNS = ("apart", "refuse")  # fit's `other_runs`
+
+
+def check_other_runs(log_dir: Path, run: str, other_runs: str) -> None:
+    """Raises ``ValueError`` if ``other_runs="refuse"`` and ``log_dir`` holds records or ledgers of a run other
+    than ``run`` (before anything is written)."""
+    from jddp import goodput
+
+    if other_runs != "refuse":
+        return
+    found = {str(r.get("run", "(no run id: an older jddp)")) for r in read_metrics(log_dir / METRICS_FILE)}
+    found |= set(goodput.runs(log_dir))
+    found.discard(run)
+    if found:
+        raise ValueError(
+            f"`log_dir={str(log_dir)!r}` holds the logs of another run ({', '.join(sorted(found))}), and "
+            f"`other_runs='refuse'`: this run ({run}) is a new one. Pass another `log_dir`, or "
+            "`other_runs='apart'` to log it beside them (every record says its run; TensorBoard gets a folder "
+            "per run)."
+        )
 
 
 class RunLog:
     """Process 0's files: ``metrics.jsonl`` (appended, flushed per record), TensorBoard events, the loss plot."""
 
-    def __init__(self, log_dir: Path, first: int):
+    def __init__(self, log_dir: Path, first: int, run: str = ""):
+        """``run``: the run's id (``jddp.goodput``), written into every record; ``first``: the step it starts at."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.dir = log_dir
+        self.run = run
         self.path = log_dir / METRICS_FILE
-        self.seen = {(r["step"], r["split"], r.get("attempt")) for r in keep_until(self.path, first)}
+        kept = keep_until(self.path, first, run)
+        self.seen = {(r["step"], r["split"], r.get("attempt")) for r in kept if r.get("run") == run}
         self.file = open(self.path, "a")  # closed in close()
-        self.tb = summary_writer(log_dir, purge_step=first + 1)
+        self.tb = summary_writer(log_dir / TENSORBOARD_DIR / (run or "run"), purge_step=first + 1)
 
     def write(self, rec: dict) -> None:
         key = (rec["step"], rec["split"], rec.get("attempt"))
         if key in self.seen:  # e.g. the final evaluation of a run resumed after its end
             return
         self.seen.add(key)
+        rec = {k: rec[k] for k in ("step", "epoch", "split") if k in rec} | {"run": self.run} | rec
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         if rec["split"].startswith("goodput"):
             return  # an account of wall time, not a curve
         for name, value in rec.items():
-            if name not in ("step", "epoch", "split"):
+            if name not in ("step", "epoch", "split", "run"):
                 self.tb.add_scalar(f"{rec['split']}/{name}", value, rec["step"])
 
     def close(self) -> None:
@@ -45,11 +76,12 @@ class RunLog:
         self.tb.close()
 
     def plot(self) -> None:
-        """``loss.png``: training and evaluation loss over the whole run (all attempts), written atomically."""
+        """``loss.png``: training and evaluation loss over the whole run (all its attempts, not other runs),
+        written atomically."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        records = read_metrics(self.path)
+        records = [r for r in read_metrics(self.path) if r.get("run", "") == self.run]
         figure = Figure(figsize=(6, 4), dpi=100)
         FigureCanvasAgg(figure)
         ax = figure.add_subplot()
@@ -101,14 +133,18 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def keep_until(path: Path, step: int) -> list[dict]:
-    """Drops the records after ``step`` (and a line cut by a kill) from ``path``, atomically; returns the rest.
-    ``goodput`` records (``jddp.goodput``) are kept whatever their step."""
+def keep_until(path: Path, step: int, run: str = "") -> list[dict]:
+    """Drops run ``run``'s records after ``step`` (and a line cut by a kill) from ``path``, atomically; returns the
+    rest. ``goodput`` records (``jddp.goodput``) and other runs' records are kept whatever their step."""
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
     # goodput records stay: they account for time spent, whatever happened to the steps
-    kept = [r for r in read_metrics(path) if r["step"] <= step or str(r.get("split", "")).startswith("goodput")]
+    kept = [
+        r
+        for r in read_metrics(path)
+        if r["step"] <= step or str(r.get("split", "")).startswith("goodput") or r.get("run", "") != run
+    ]
     if len(kept) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))

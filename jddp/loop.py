@@ -21,7 +21,15 @@ do; it runs them in the right order and writes what happened:
   ``eval_every`` steps (or at each epoch end) and at the end;
   ``checkpointer.maybe_save`` (a SIGTERM saves and raises ``SystemExit(75)``,
   which ``fit`` lets through after closing its logs).
-* **End**: a final save, ``log_dir/loss.png``, a summary line.
+* **End**: a final save, ``log_dir/loss.png``, a summary line, and the run's
+  goodput (``jddp.goodput``; the same line ``jddp goodput log_dir`` prints).
+
+**Runs.** Every call with a ``log_dir`` belongs to a run: a new one, or the
+run it resumed from a checkpoint or that ``jddp launch`` restarted (the rules
+are ``jddp.goodput``'s). Every record of ``metrics.jsonl`` names its run, and
+each run's TensorBoard events go to ``log_dir/tensorboard/<run>/``; with
+``other_runs="refuse"``, a new run into a ``log_dir`` that holds another run's
+logs is refused instead (``jddp.logs``).
 
 Length is counted from step 0 (``steps``, or ``epochs`` times the batches per
 epoch), so a resumed run stops where an uninterrupted one does. On resume at
@@ -107,6 +115,7 @@ def fit(
     progress: bool = True,
     skip_steps: tuple[int, int] | None = None,
     replica_check_every: int | None = REPLICA_CHECK_EVERY,
+    other_runs: str = "apart",
 ) -> FitResult:
     """Trains ``state`` with ``dp`` on ``train_loader``; see the module docstring.
 
@@ -140,6 +149,11 @@ def fit(
         in ``examples_at``) and as a ``skip`` record in ``metrics.jsonl``; a
         resume from before ``first`` with the same argument skips the same
         batches, one from after it has them skipped already.
+      other_runs: when this call starts a new run (module docstring) in a
+        ``log_dir`` that holds another run's logs: ``"apart"`` logs it beside
+        them (every record of ``metrics.jsonl`` names its run, TensorBoard gets
+        ``tensorboard/<run>/``, ``loss.png`` and the goodput are this run's);
+        ``"refuse"`` raises ``ValueError`` on process 0 before it writes anything.
 
     Returns:
       A ``FitResult``.
@@ -158,6 +172,12 @@ def fit(
     validate.check_int("log_every", log_every, optional=True)
     validate.check_int("replica_check_every", replica_check_every, optional=True)
     validate.check_bool("progress", progress)
+    validate.check_str("other_runs", other_runs)
+    if other_runs not in logs.OTHER_RUNS:
+        raise ValueError(
+            f"`other_runs` must be one of {', '.join(map(repr, logs.OTHER_RUNS))}, got other_runs={other_runs!r}: "
+            "'apart' logs a new run beside the runs already in `log_dir`, 'refuse' raises instead."
+        )
     log_dir = validate.check_path("log_dir", log_dir, optional=True)  # "" would write into the working directory
     if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
         raise ValueError(f"`log_dir` must be a directory (created if missing), got log_dir={log_dir!r}: a file.")
@@ -176,6 +196,7 @@ def fit(
     run = _Run(dp, train_loader, eval_loader, checkpointer, total, eval_every, log_every, progress)
     run.skip_steps = None if skip_steps is None else (int(skip_steps[0]), int(skip_steps[1]))
     run.replica_check_every = replica_check_every
+    run.other_runs = other_runs
     return run(state, Path(log_dir) if log_dir is not None else None, config, config_text)
 
 
@@ -224,19 +245,22 @@ def _fingerprint(checkpointer: checkpoint_lib.Checkpointer, config: Any) -> None
 
 class _Means:
     """The running means of a ``fit``: the logging window's and the epoch's, saved with each checkpoint so that a
-    resumed run logs the same means as an uninterrupted one."""
+    resumed run logs the same means as an uninterrupted one; and the run's id (``jddp.goodput``: process 0's, which
+    is the one Orbax writes), so that a resume continues the run."""
 
     def __init__(self):
         self.epoch = metrics_lib.RunningMeans()
         self.window = metrics_lib.RunningMeans(parent=self.epoch)
+        self.run: str | None = None
 
     def get_state(self) -> dict:
         window = self.window.get_state()  # reads the window's pending steps into the epoch too: first
-        return {"window": window, "epoch": self.epoch.get_state()}
+        return {"window": window, "epoch": self.epoch.get_state(), "run": self.run}
 
     def set_state(self, state: dict) -> None:
         self.window.set_state(state["window"])
         self.epoch.set_state(state["epoch"])
+        self.run = state.get("run")  # None from a checkpoint saved before runs had ids
 
 
 class _Run:
@@ -259,6 +283,8 @@ class _Run:
         self.goodput: goodput.Total | None = None
         self.skip_steps: tuple[int, int] | None = None
         self.replica_check_every: int | None = None
+        self.other_runs = "apart"
+        self.run_id, self.run_why = "", ""
 
     @contextlib.contextmanager
     def timed(self, key: str):
@@ -269,15 +295,13 @@ class _Run:
             self.times[key] += time.perf_counter() - start
 
     def __call__(self, state, log_dir: Path | None, config, config_text: str | None) -> FitResult:
-        start = time.perf_counter()
-        if self.main and log_dir is not None:
-            self.ledger = goodput.Ledger(log_dir, 0)
+        start, fit_start = time.perf_counter(), time.time()
         if self.ckpt is not None:
             with self.timed("restore_s"):
                 state, _ = self.ckpt.restore_or_init(state, self.loader, extra=self.means)
         self.step = first = int(jax.device_get(state.step))
-        if self.ledger is not None:
-            self.ledger.start_at(first)
+        if self.main and log_dir is not None:
+            self.start_run(log_dir, first, fit_start)
         progress.set_step(first)
         self.announce(first, config_text)
         if self.skip_steps is not None and first > self.skip_steps[0] and not self.loader.sampler.skipped:
@@ -319,9 +343,18 @@ class _Run:
         )
         return FitResult(state, self.history, self.final_eval, summary)
 
+    def start_run(self, log_dir: Path, first: int, fit_start: float) -> None:
+        """Process 0: the run this call belongs to (``jddp.goodput``; refused here under ``other_runs="refuse"``,
+        before anything is written) and its ledger."""
+        resumed = self.means.run if first < self.total else None  # a finished run's checkpoint starts a new run
+        self.run_id, self.run_why = goodput.choose_run(log_dir, resumed)
+        logs.check_other_runs(log_dir, self.run_id, self.other_runs)
+        self.means.run = self.run_id
+        self.ledger = goodput.Ledger(goodput.run_dir(log_dir, self.run_id), first, fit_start=fit_start)
+
     def open_outputs(self, first: int, log_dir: Path | None, config) -> None:
         """Process 0: the log files (cut back to step ``first``), config.yaml files, the progress bar."""
-        self.log = logs.RunLog(log_dir, first) if log_dir is not None else None
+        self.log = logs.RunLog(log_dir, first, self.run_id) if log_dir is not None else None
         self.account_attempts(own=False)
         for directory in (log_dir, self.ckpt and self.ckpt.directory):
             if directory is not None and config is not None:
@@ -341,12 +374,10 @@ class _Run:
                 self.record("goodput", account, history=False)
                 goodput.close(path)
             return
-        account = goodput.account(
-            goodput.read(self.ledger.path), self.ledger.index, next_start=None, next_first_step=None
-        )
-        self.record("goodput", account, history=False)
+        accounts = goodput.ledger_accounts(sorted(self.ledger.directory.glob("attempt-*.ledger")))
+        self.record("goodput", accounts[-1], history=False)  # this attempt's: the last ledger of the run
         goodput.close(self.ledger.path)
-        total = goodput.Total.of(goodput.run_records(self.log.dir))
+        total = goodput.Total.of(accounts, self.run_id)  # what `jddp goodput` shows for the same span
         self.record("goodput_total", total.record(), history=False)
         self.goodput = total
         self.say(f"fit: {total.line()}")
@@ -361,6 +392,9 @@ class _Run:
             f"({local} local), global batch {self.loader.sampler.global_batch_size}, "
             f"mesh ({mesh}), {self.total} steps ({len(self.loader)} per epoch){resumed}"
         )
+        if self.run_id:
+            where = self.ledger.directory.parent.parent if self.ledger is not None else ""
+            self.say(f"fit: run {self.run_id} ({self.run_why}), logging to {where}")
         if config_text is not None:
             self.say("config:\n" + config_text.rstrip())
 

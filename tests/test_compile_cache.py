@@ -15,9 +15,13 @@ from tests import multiprocess
 WORKER = str(multiprocess.WORKERS / "compile_cache.py")
 
 
-def run(nprocs: int, **env: str) -> list[dict]:
+def run(nprocs: int, said: str | None = None, **env: str) -> list[dict]:
+    """The worker's cache counts on each process; with ``said``, the cache's line process 0 printed once."""
     codes, outputs = multiprocess.collect(multiprocess.spawn(WORKER, nprocs, 2, **env), timeout=300)
     assert codes == [0] * nprocs, multiprocess.show(codes, outputs)
+    if said is not None:  # once at start, on process 0 only
+        lines = [[line for line in o.splitlines() if line.startswith("jddp: compilation cache")] for o in outputs]
+        assert lines == [[f"jddp: compilation cache {said}"]] + [[]] * (nprocs - 1), lines
     return [counts(o) for o in outputs]
 
 
@@ -29,13 +33,15 @@ def counts(output: str) -> dict:
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_a_second_run_reaches_its_first_step_without_compiling(tmp_path, nprocs):
     env = {"JDDP_COMPILATION_CACHE": str(tmp_path / "xla")}
-    first = run(nprocs, **env)
+    where = f"in {tmp_path / 'xla'} (JDDP_COMPILATION_CACHE: another directory, or 0 for none)"
+    first = run(nprocs, where, **env)
     assert all(c["requests"] > 0 and c["hits"] < c["requests"] for c in first), first  # a fresh cache compiled
     assert list((tmp_path / "xla").glob("*-cache"))
     assert not list((tmp_path / "xla").glob(".*.tmp"))
     second = run(nprocs, **env)
     assert all(c["requests"] > 0 and c["hits"] == c["requests"] for c in second), second  # compiled nothing
-    off = run(nprocs, JDDP_COMPILATION_CACHE="0", XDG_CACHE_HOME=str(tmp_path / "home"))
+    home = str(tmp_path / "home")
+    off = run(nprocs, "off (JDDP_COMPILATION_CACHE=0)", JDDP_COMPILATION_CACHE="0", XDG_CACHE_HOME=home)
     assert all(c["hits"] == 0 for c in off) and not (tmp_path / "home").exists()  # off: no default directory
 
 
@@ -91,3 +97,31 @@ def test_the_cache_directory_is_chosen_or_left_to_the_script(tmp_path, monkeypat
     monkeypatch.setenv("JDDP_COMPILATION_CACHE", str(blocker / "xla"))
     with pytest.raises(ValueError, match=r"cannot be created .* set \$JDDP_COMPILATION_CACHE"):
         compile_cache.enable()
+
+
+def test_the_cache_is_named_once_on_process_0_only(tmp_path, monkeypatch, capsys, restore_cache_config):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JDDP_PROCESS_ID", raising=False)
+    monkeypatch.setenv("JDDP_COMPILATION_CACHE", str(tmp_path / "xla"))
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setattr(compile_cache, "_said", False)
+    compile_cache.enable()
+    jax.config.update("jax_compilation_cache_dir", None)
+    compile_cache.enable()
+    assert capsys.readouterr().err.splitlines() == [
+        f"jddp: compilation cache in {tmp_path / 'xla'} (JDDP_COMPILATION_CACHE: another directory, or 0 for none)"
+    ]
+    for name, value in (("JDDP_PROCESS_ID", "1"), ("SLURM_PROCID", "3"), ("PMI_RANK", "1")):
+        with monkeypatch.context() as rank:
+            rank.setenv(name, value)
+            rank.setattr(compile_cache, "_said", False)
+            jax.config.update("jax_compilation_cache_dir", None)
+            compile_cache.enable()
+            assert capsys.readouterr().err == "", name  # not process 0: says nothing
+    monkeypatch.setattr(compile_cache, "_said", False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("JDDP_COMPILATION_CACHE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / ".cache"))
+    jax.config.update("jax_compilation_cache_dir", None)
+    compile_cache.enable()
+    assert "jddp: compilation cache in ~/.cache/jddp/xla (" in capsys.readouterr().err

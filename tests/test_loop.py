@@ -52,7 +52,7 @@ def tensorboard_scalars(log_dir: Path) -> dict[tuple[str, int], float]:
     from tensorboardX.proto import event_pb2
 
     scalars = {}
-    for path in log_dir.glob("events.out.tfevents.*"):
+    for path in log_dir.glob("tensorboard/*/events.out.tfevents.*"):  # one folder per run (jddp.logs)
         data, at = path.read_bytes(), 0
         while at < len(data):
             (length,) = struct.unpack("<Q", data[at : at + 8])
@@ -71,8 +71,9 @@ def weighted_means(rows: list[dict]) -> dict:
 
 
 def training(records: list[dict]) -> list[dict]:
-    """The records of training and evaluation, without the goodput accounts of wall time (jddp.goodput)."""
-    return [r for r in records if not r["split"].startswith("goodput")]
+    """The records of training and evaluation, without the goodput accounts of wall time (jddp.goodput) and
+    without the run's id (random: compared apart)."""
+    return [{k: v for k, v in r.items() if k != "run"} for r in records if not r["split"].startswith("goodput")]
 
 
 def assert_records_equal(got: list[dict], expected: list[dict]) -> None:
@@ -258,6 +259,7 @@ def test_killed_and_preempted_run_continues_its_log_and_ends_bitwise_equal(tmp_p
     assert logged == training(read_metrics(clean / "log" / "metrics.jsonl"))
     # The goodput accounts without a launcher: the killed attempt's steps 9 and 10 were taken again.
     accounts = [r for r in read_metrics(broken / "log" / "metrics.jsonl") if r["split"] == "goodput"]
+    assert len({r["run"] for r in read_metrics(broken / "log" / "metrics.jsonl")}) == 1  # resumed: one run
     assert [(a["attempt"], a["first_step"], a["last_step"], a["finished"]) for a in accounts] == [
         (0, 0, 10, 0), (1, 8, 15, 0), (2, 15, 25, 1),
     ]  # fmt: skip
@@ -276,11 +278,12 @@ def test_only_process_0_prints_and_writes(tmp_path):
         "-n", "2", "--devices-per-process", "2", WORKER, str(tmp_path), "6", env={"PER_PROCESS_LOG": "1"}
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert sorted(p.name for p in (tmp_path / "log0").iterdir() if not p.name.startswith("events")) == [
+    assert sorted(p.name for p in (tmp_path / "log0").iterdir()) == [
         "config.yaml",
         "goodput",
         "loss.png",
         "metrics.jsonl",
+        "tensorboard",
     ]
     assert not (tmp_path / "log1").exists()
     assert "[0] fit: 2 process(es), 4 devices (2 local)" in done.stdout
@@ -289,3 +292,27 @@ def test_only_process_0_prints_and_writes(tmp_path):
     histories = [json.loads((tmp_path / f"history{p}.json").read_text()) for p in (0, 1)]
     assert histories[0]["history"] == histories[1]["history"]  # the same decisions and values on both
     assert [r["step"] for r in histories[0]["history"]] == [2, 4, 5, 6, 6]
+
+
+def test_a_restore_without_the_loader_says_the_data_position_is_not_restored(tmp_path):
+    """``restore_or_init(state)`` of a checkpoint that holds a data position warns, naming the fix; with the
+    loader, the position comes back and nothing is said."""
+    import warnings
+
+    _, state, train, _ = make()
+    train.skip(3)  # a position of its own: 3 batches in
+    ckpt = jddp.Checkpointer(tmp_path / "ckpt")
+    ckpt.save(state, train, wait=True)
+    ckpt.close()
+    _, state, train, _ = make()
+    ckpt = jddp.Checkpointer(tmp_path / "ckpt")
+    fix = r"without the loader.*`state, loader = checkpointer\.restore_or_init\(state, loader\)`"
+    with pytest.warns(jddp.CheckpointWarning, match=fix) as caught:
+        ckpt.restore_or_init(state)
+    assert [w.filename for w in caught] == [__file__]  # points at the call that lacks the loader
+    _, state, train, _ = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.restore_or_init(state, train)
+    assert train.sampler.position == 3
+    ckpt.close()

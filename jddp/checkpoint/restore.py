@@ -19,6 +19,12 @@ from jddp.runtime.state import TrainState
 STATE, LOADER, META, EXTRA = "state", "loader", "meta", "extra"
 DAMAGED_SUFFIX = ".damaged"
 ORBAX_STRUCTURE_MISMATCH = "tree structures do not match"  # Orbax's words when the saved tree is another one
+MSG_POSITION_NOT_RESTORED = (
+    "Checkpoint step {step} in {directory} holds a data loader position, but `restore_or_init` was called without "
+    "the loader: the model, optimizer state and RNG are restored, the data position is not, so a loader used now "
+    "starts from its beginning and trains again on the batches before step {step}. Pass the loader to restore it: "
+    "`state, loader = checkpointer.restore_or_init(state, loader)`."
+)
 
 
 def as_dict(state: TrainState) -> dict[str, Any]:
@@ -142,6 +148,8 @@ def try_restore(
         return None, f"digest mismatch in {len(bad)} leaf(s), first {bad[0]}"
     new_state = TrainState(**tree, opt_layout=state.opt_layout)
     found = {k: result[k] if k in items else None for k in (LOADER, EXTRA)}
+    if loader is None and has_loader:
+        warnings.warn(MSG_POSITION_NOT_RESTORED.format(step=step, directory=directory), CheckpointWarning, stacklevel=5)
     return (new_state, found[LOADER], found[EXTRA], step), None
 
 

@@ -18,14 +18,42 @@ middle of a write leaves no truncated entry behind, and lets every process
 write its own programs (JAX writes process 0's only, and on CPU the others'
 programs have keys of their own: ``jax_internals.cache_writes_from_every_process``). JAX never evicts without
 ``jax_compilation_cache_max_size``; set it to bound the directory.
+
+``enable`` says where once, on stderr of process 0 (the launcher's ``JDDP_PROCESS_ID``, else MPI's or SLURM's
+rank; before JAX knows it): ``jddp: compilation cache in ~/.cache/jddp/xla (JDDP_COMPILATION_CACHE: another
+directory, or 0 for none)``, ``... off (JDDP_COMPILATION_CACHE=0)`` or ``... the script's own``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from jddp import envvars
+
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")  # a process's rank under MPI or SLURM
+_said = False  # the cache's line was printed (or is not this process's to print)
+
+
+def _say(where: str) -> None:
+    """Prints ``jddp: compilation cache <where>`` to stderr, once, on process 0."""
+    global _said
+    if _said:
+        return
+    _said = True
+    index = envvars.get("JDDP_PROCESS_ID")
+    for name in RANK_VARIABLES:
+        if index is None and os.environ.get(name, "").strip().isdigit():
+            index = int(os.environ[name])
+    if not index:
+        print(f"jddp: compilation cache {where}", file=sys.stderr, flush=True)
+
+
+def _shown(directory: str) -> str:
+    """``directory`` with the home directory as ``~``."""
+    home = os.path.expanduser("~")
+    return "~" + directory[len(home) :] if home not in ("", "/") and directory.startswith(home + os.sep) else directory
 
 
 def default_dir() -> Path:
@@ -41,10 +69,13 @@ def enable() -> str | None:
 
     setting = envvars.get("JDDP_COMPILATION_CACHE")  # a directory, True (the default one) or False (off)
     if setting is False:
+        _say("off (JDDP_COMPILATION_CACHE=0)")
         return None
-    if jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # pyright: ignore[reportAttributeAccessIssue]
+    own = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")  # pyright: ignore[reportAttributeAccessIssue]
+    if own:
         jax_internals.make_cache_writes_atomic()
         jax_internals.cache_writes_from_every_process()
+        _say(f"in {_shown(str(own))}, the script's own (jax_compilation_cache_dir)")
         return None  # the script chose its own
     directory = Path(setting) if isinstance(setting, str) else default_dir()
     try:
@@ -59,4 +90,5 @@ def enable() -> str | None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _say(f"in {_shown(str(directory))} (JDDP_COMPILATION_CACHE: another directory, or 0 for none)")
     return str(directory)
