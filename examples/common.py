@@ -53,8 +53,14 @@ def train(dp, state, train_loader, test_loader, config, *, steps: int | None = N
       ``steps``, ``train_loss`` (the loss of the last step's global batch), the test
       metrics prefixed ``test_`` and the loop's timings (``wall_s`` ...).
     """
+    import dataclasses
+
+    import jax
+
     from jddp import checkpoint, loop
 
+    if getattr(config, "devices", None) == 0:  # 0 means all: the config fit prints and saves says how many there are
+        config = dataclasses.replace(config, devices=jax.local_device_count())
     checkpointer = None
     if config.checkpoint_dir:
         checkpointer = checkpoint.Checkpointer(

@@ -30,6 +30,7 @@ def test_trains_above_chance(model, tmp_path):
     assert result["train_loss"] < 0.8 * math.log(10)  # from about ln(10) at the start
     assert result["test_accuracy"] > 0.3  # chance is 0.1
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "config.yaml").exists()
+    assert "devices: 8" in (tmp_path / "config.yaml").read_text().splitlines()  # devices=0 is all: the 8 it had
 
 
 def run_example(devices: int, log_dir, *overrides: str) -> list[dict]:
