@@ -536,7 +536,7 @@ def group() -> ProcessGroup | None:
     return _group
 
 
-@progress.collective_call("jddp.barrier")
+@progress.collective_call("jddp.barrier", timed=True)
 def barrier(name: str, timeout_s: float = 300.0) -> None:
     """Waits until every process has called ``barrier(name)`` (the n-th call matches the n-th).
 

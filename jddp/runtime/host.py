@@ -42,7 +42,7 @@ class _Refused:
         self.reason = reason
 
 
-@progress.collective_call("jddp.host_all_gather")
+@progress.collective_call("jddp.host_all_gather", timed=True)
 def host_all_gather(value: Any, *, timeout_s: float = 300.0) -> list[Any]:
     """Every process's ``value``, in process order, on every process.
 
@@ -54,7 +54,7 @@ def host_all_gather(value: Any, *, timeout_s: float = 300.0) -> list[Any]:
     return _exchange("host_all_gather", value, timeout_s)
 
 
-@progress.collective_call("jddp.host_broadcast")
+@progress.collective_call("jddp.host_broadcast", timed=True)
 def host_broadcast(value: Any, *, timeout_s: float = 300.0) -> Any:
     """Process 0's ``value`` on every process (the others' ``value`` is ignored and not sent).
 
@@ -66,7 +66,7 @@ def host_broadcast(value: Any, *, timeout_s: float = 300.0) -> Any:
     return _exchange("host_broadcast", value, timeout_s, only_from=0)[0]
 
 
-@progress.collective_call("jddp.host_all_reduce")
+@progress.collective_call("jddp.host_all_reduce", timed=True)
 def host_all_reduce(value: Any, op: Literal["sum", "mean", "max", "min"] = "sum", *, timeout_s: float = 300.0) -> Any:
     """``op`` over every process's ``value`` (a number or a NumPy array of one shape everywhere), elementwise.
 

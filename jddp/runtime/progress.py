@@ -60,6 +60,7 @@ LEARNED = frozenset({"step", "eval", "data", "user"})
 FLIGHT_FILE = "flight-process-{}.txt"
 CALL_HISTORY = 8  # names of the last collective calls published with the heartbeat
 COLLECTIVE_CALLS: list[str] = []  # every name given to ``collective_call``, in the order the modules declared them
+TIMED_CALLS: set[str] = set()  # the calls with a time limit of their own, whose error names the missing processes
 ANNOUNCE: Callable[[], None] | None = None  # set by the watchdog in a group: publishes this process's calls now
 
 
@@ -222,11 +223,13 @@ class collective_call:  # lower case: a decorator
 
     __slots__ = ("eager", "name")
 
-    def __init__(self, name: str, *, eager: bool = True):
+    def __init__(self, name: str, *, eager: bool = True, timed: bool = False):
         self.name = name
         self.eager = eager  # publish at once (``ANNOUNCE``): calls made once in a while, not every step
         if name not in COLLECTIVE_CALLS:
             COLLECTIVE_CALLS.append(name)
+        if timed:  # ends by itself after its ``timeout_s``, naming the processes that did not call it
+            TIMED_CALLS.add(name)
 
     def __enter__(self) -> None:
         p = PROGRESS

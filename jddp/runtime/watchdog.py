@@ -276,7 +276,11 @@ class Watchdog(threading.Thread):
                     "(killed, crashed or frozen)"
                 )
             found = progress.mismatch({p: c for p, c in calls.items() if values.get(p) != DONE})
-            if found is not None and self.state is None and (reason is not None or self._stuck(found, values, now)):
+            if (
+                found is not None
+                and self.state is None
+                and (reason is not None or self._stuck(found, values, calls, now))
+            ):
                 self._mismatched(found, reason)
                 return
             if reason is not None and self.state is None:
@@ -401,12 +405,17 @@ class Watchdog(threading.Thread):
         else:
             self._end(f"lost its launcher (pid {self.launcher}, jddp launch): killed or crashed")
 
-    def _stuck(self, found: progress.Mismatch, values: dict[int, str], now: float) -> bool:
+    def _stuck(
+        self, found: progress.Mismatch, values: dict[int, str], calls: dict[int, progress.Calls], now: float
+    ) -> bool:
         """Whether the processes of a call mismatch have all waited in it (or for their peers) for
         ``MISMATCH_S``: no call of theirs ends by itself then (a device collective waits forever)."""
         key = (found.seq, tuple(sorted(found.groups.items())))
         if key != self.mismatch_key:
             self.mismatch_key, self.mismatch_since = key, now
+        involved = [p for ps in found.groups.values() for p in ps]
+        if all(calls[p].names and calls[p].names[-1] in progress.TIMED_CALLS for p in involved):
+            return False  # each ends by itself at its time limit, naming the processes that did not call it
         for ps in found.groups.values():
             for p in ps:
                 if p == self.process_id:
