@@ -227,3 +227,61 @@ def test_the_flight_record_holds_progress_the_group_and_every_threads_stack(fres
     assert "process 4: step 22, waiting for its peers" in text
     assert "--- thread MainThread (main)" in text
     assert "in test_the_flight_record_holds_progress_the_group_and_every_threads_stack" in text
+
+
+# ------------------------------------------------------------ collective calls (progress.collective_call)
+
+
+def calls(seq: int, *names: str, inside: bool = True) -> progress.Calls:
+    parsed = progress.Calls.parse(f"{seq}:{int(inside)}:{','.join(names)}")
+    assert parsed is not None
+    return parsed
+
+
+def test_a_call_made_by_one_process_is_named_with_the_process_and_the_others_call():
+    step, save = "DataParallel.step", "Checkpointer.save"
+    # Process 0 made a save where process 1 made its next step: the save breaks process 0's routine, so it is the
+    # one made alone, also with two processes, whichever order they are listed in.
+    for first, second in ((0, 1), (1, 0)):
+        found = progress.mismatch({first: calls(6, step, step, save), second: calls(6, step, step, step)})
+        assert found is not None and found.seq == 6 and found.culprits() == (first,)
+        text = found.describe()
+        assert text.startswith(f"process {first} called {save} alone (jddp collective call #6); ")
+        assert f"process {second} was in {step} (call #6 there)" in text
+    # Three processes: the call of the fewest, whatever their routine; "without the others" for several.
+    three = {0: calls(4, step, save), 1: calls(4, step, step), 2: calls(4, step, save)}
+    found = progress.mismatch(three)
+    assert found is not None and found.odd == step and found.culprits() == (1,)
+    four = {p: calls(4, step, save if p < 2 else step) for p in range(5)}
+    found = progress.mismatch(four)
+    assert found is not None and found.culprits() == (0, 1)
+    assert found.describe().startswith(f"processes [0, 1] called {save} without the others")
+
+
+def test_processes_a_call_apart_with_the_same_calls_are_no_mismatch():
+    step, save = "DataParallel.step", "Checkpointer.save"
+    # Process 1 is ahead: its call #5 was process 0's current call too.
+    assert progress.mismatch({0: calls(5, step, save), 1: calls(7, step, save, step, step)}) is None
+    assert progress.mismatch({0: calls(5, step, save), 1: calls(7, step, step, step, step)}) is not None
+    # Call #1 fell out of the window of the process ahead: nothing to compare, no verdict.
+    far = calls(1 + progress.CALL_HISTORY, *[step] * progress.CALL_HISTORY)
+    assert progress.mismatch({0: calls(1, save), 1: far}) is None
+    assert progress.mismatch({0: calls(0), 1: calls(3, step, step, step)}) is None  # no call yet
+    assert progress.mismatch({0: calls(3, step, step, save)}) is None  # alone
+
+
+def test_collective_calls_count_the_outermost_call_once_and_publish_the_last_names():
+    p = progress.PROGRESS
+    before = p.call_seq
+    outer, inner = progress.collective_call("test.outer"), progress.collective_call("test.inner", eager=False)
+    try:
+        with outer, inner:
+            assert p.call_depth == 2 and progress.Calls.parse(progress.calls_text()).inside  # type: ignore[union-attr]
+        inner(lambda: None)()
+        seen = progress.Calls.parse(progress.calls_text())
+        assert seen is not None and not seen.inside and seen.seq == before + 2
+        assert seen.names[-2:] == ("test.outer", "test.inner") and seen.name_at(before + 1) == "test.outer"
+        assert {"test.outer", "test.inner"} <= set(progress.COLLECTIVE_CALLS)
+    finally:
+        for name in ("test.outer", "test.inner"):
+            progress.COLLECTIVE_CALLS.remove(name)
