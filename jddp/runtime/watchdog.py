@@ -87,7 +87,7 @@ from jddp.runtime import jax_internals, progress
 MAX_ROUND_S = 1.0  # the longest time between two watchdog rounds, whatever the peer timeout
 # How long the processes of a collective call mismatch (``progress.mismatch``) must all wait in it before they
 # stop: a host collective of two kinds at one place raises by itself in far less (``jddp.runtime.host``).
-MISMATCH_S = 5.0
+MISMATCH_S = 3.0
 NOTE_FILE = "note-{}.json"  # in the launcher's folder: what this process tells it (``Watchdog.note``)
 
 ALIVE_PREFIX = "jddp/alive/"
