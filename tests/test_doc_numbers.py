@@ -57,7 +57,13 @@ DEFINITIONS: tuple[tuple[str, str, str], ...] = (
     ("docs/guides/launch.md", "(5 s when the first to end lost a peer", "the launcher's grace period, a constant"),
     ("docs/guides/launch.md", "or 5 s when the report", "the launcher's grace period, a constant"),
     ("docs/guides/launch.md", "has not answered for 5 s", "the launchers' patience with node 0's service, a constant"),
-    ("docs/guides/launch.md", "all of them have waited 5 s", "the host collectives' wait before naming a mismatch"),
+    ("docs/guides/launch.md", "all of them have waited 3 s", "the host collectives' wait before naming a mismatch"),
+    (
+        "docs/guides/goodput.md",
+        "A run that trains for 12 s of a 30 s wall time has a goodput of 40%; the other 18 s",
+        "a worked example of the definition",
+    ),
+    ("docs/guides/goodput.md", "never sum past 100%", "the ledger's promise, which tests/test_goodput.py holds"),
     ("docs/guides/checkpoints.md", "(60 s)", "lease_timeout_s's default"),
     ("docs/guides/checkpoints.md", "`preemption_check_s`, 1 s", "preemption_check_s's default"),
     ("docs/jax_notes.md", "(100 s by", "JAX's heartbeat timeout default, JAX's setting"),
@@ -357,3 +363,22 @@ def test_the_engine_guides_optimizer_memory_of_the_small_transformer_holds():
         replicated, sharded = max(sizes[0].values()), max(sizes[1].values())
         assert len(set(sizes[1].values())) == 1
         assert f"{sharded * n / replicated:.4f}" == figure, (n, sharded * n / replicated)
+
+
+# --- Figures quoted from a file a benchmark writes ---------------------------------------------------------------
+
+
+def test_the_readmes_timing_of_its_command_is_the_benchmarks_file():
+    """README.md quotes benchmarks/results/readme_command.json (written by ``python -m benchmarks.readme_command``)
+    as written there: the wall time, steps, test accuracy, date and load average."""
+    import json
+
+    figures = json.loads((ROOT / "benchmarks/results/readme_command.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    result, loads = figures["result"], figures["load_average_before"] + figures["load_average_after"]
+    quoted = (
+        f"({figures['date']}, load average {min(loads):.0f} to {max(loads):.0f}): {figures['wall_s']:.0f} s, "
+        f"{result['steps']:.0f} steps, test accuracy {result['test_accuracy']:.3f}"
+    )
+    assert quoted in readme, f"README.md should say {quoted!r}, as benchmarks/results/readme_command.json holds"
+    assert figures["command"] in readme  # the command timed is the README's
