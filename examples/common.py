@@ -66,7 +66,7 @@ def train(dp, state, train_loader, test_loader, config, *, steps: int | None = N
         checkpointer = checkpoint.Checkpointer(
             config.checkpoint_dir, save_every=config.save_every or None, config=config
         )
-    length = {"steps": steps} if steps is not None else {"epochs": config.epochs}
+    length: dict[str, Any] = {"steps": steps} if steps is not None else {"epochs": config.epochs}
     result = loop.fit(
         dp,
         state,

@@ -29,7 +29,9 @@ def get_args_parser() -> argparse.ArgumentParser:
         "launch", help="run a script as several processes; restart on failure (`jddp launch --help`)", add_help=False
     )
     sub.add_parser(
-        "goodput", help="where a fit run's wall time went, across restarts (`jddp goodput RUN_DIR`)", add_help=False
+        "goodput",
+        help="where a fit run's wall time went, across restarts (`jddp goodput RUN_DIR [--run ID]`)",
+        add_help=False,
     )
     sub.add_parser(
         "bench",
