@@ -152,3 +152,19 @@ def test_a_config_of_another_kind_is_refused_naming_it():
         digest.config_fingerprint([1, 2])
     with pytest.raises(TypeError, match=r"got type"):
         digest.config_fingerprint(Outer)  # the class, not an instance
+
+
+def test_leaves_that_are_not_live_device_arrays_and_layouts_of_another_length_are_refused_naming_them():
+    x = jnp.arange(4.0)
+    with pytest.raises(TypeError, match=r"Every leaf of `tree` must be a jax.Array on the devices, but tree\['b'\] is"):
+        digest.state_digests({"a": x, "b": np.arange(4.0)})
+    gone = jnp.arange(4.0)
+    gone.delete()
+    with pytest.raises(ValueError, match=r"`tree` was donated .*\(tree\['b'\] is deleted\)"):
+        digest.state_digests({"a": x, "b": gone})
+    with pytest.raises(ValueError, match=r"`tree` holds no arrays"):
+        digest.state_digests(None)
+    with pytest.raises(ValueError, match=r"`layouts` must have one entry per leaf of `tree` \(2\), got 1"):
+        digest.state_digests({"a": x, "b": x}, [None])
+    with pytest.raises(TypeError, match=r"`layouts` must be a list of jddp.runtime.layout.LeafLayout or None"):
+        digest.state_digests({"a": x}, "cpu")  # pyright: ignore[reportArgumentType]

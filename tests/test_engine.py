@@ -394,6 +394,29 @@ def test_state_is_donated_and_caller_arrays_survive(mesh):
     np.testing.assert_array_equal(np.asarray(params["w1"]), model.params["w1"])
 
 
+def test_a_state_donated_while_a_numpy_view_holds_it_is_refused_not_run_again(mesh):
+    """A NumPy view of a state (``np.asarray``, ``jax.device_get``: zero-copy on CPU; the Checkpointer pins its
+    buffers so) keeps JAX from donating device 0's buffers: the other devices' are donated, and ``is_deleted()``
+    stayed False. Stepping that state again executed donated buffers: XLA's "Buffer has been deleted or donated",
+    then a segmentation fault (the generated ``jddp.fit`` test died so). Now the old state reads as donated and
+    every reuse is jddp's error naming ``state``; the views keep the values they saw."""
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh)
+    state = dp.init(model.params)
+    views = jax.tree.map(np.asarray, state)  # alive across the step, as a host copy kept for logging would be
+    new_state, _ = dp.step(state, models.batch(64))
+    assert state.step.is_deleted()
+    for reuse in (dp.step, dp.eval_step, dp.comm_report):
+        with pytest.raises(ValueError, match=r"`state` was donated to an earlier step"):
+            reuse(state, models.batch(64))
+    with pytest.raises(ValueError, match=r"`state` was donated to an earlier step"):
+        dp.check_replicas(state)
+    new_state, _ = dp.step(new_state, models.batch(64, 1))  # the new state trains on
+    assert int(new_state.step) == 2
+    assert max_diff(views.params, model.params) == 0
+    assert int(views.step) == 0
+
+
 def test_eval_step_exact_over_padded_batch(mesh):
     model = models.pytree()
     dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh)
@@ -500,3 +523,44 @@ def test_default_packs_the_all_reduce_in_one_process_unless_a_leaf_is_large(mesh
             assert len(allreduce.operands) == 1, allreduce
         else:
             assert arrays == sorted([(12, width), (width, 2)]), allreduce
+
+
+def test_a_train_state_made_by_hand_is_checked_and_tree_functions_rebuild_it_unchecked(mesh):
+    """``TrainState(...)`` and ``replace`` refuse a wrong field naming it; ``jax.tree.map`` (and every JAX tree
+    function) rebuilds states with any leaves, under the same paths as before (``.step``, ``.params[...]``)."""
+    model = models.pytree()
+    dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh)
+    state = dp.init(model.params)
+    with pytest.raises(ValueError, match=r"`step` must be an integer scalar \(int32\), got shape=\(3,\)"):
+        state.replace(step=jnp.ones(3, jnp.int32))
+    with pytest.raises(
+        TypeError, match=r"`rng` must be uint32\[2\] key data \(`jax.random.key_data\(key\)`\), got PRNGKeyArray"
+    ):
+        state.replace(rng=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"`model_state` must be a pytree of arrays \(`\{\}` when the model has none"):
+        jddp.TrainState(state.step, state.params, state.opt_state, None, state.rng)
+    with pytest.raises(TypeError, match=r"params\['act'\] is str"):
+        state.replace(params={**state.params, "act": "relu"})
+    with pytest.raises(ValueError, match=r"`params` holds no arrays"):
+        state.replace(params={})
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    assert isinstance(shardings, jddp.TrainState) and shardings.step == dp._rep
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(state)]
+    assert paths[0] == ".step" and ".params['w1']" in paths and paths[-1] == ".rng"
+    assert jax.tree.map(lambda x: x, state).params["w1"] is state.params["w1"]
+
+
+def test_masked_mean_refuses_what_is_not_an_array_of_one_leading_size():
+    values, mask = jnp.array([1.0, 2.0, 9.0]), jnp.array([1, 1, 0])
+    assert float(jddp.masked_mean(values, mask)) == 1.5
+    assert float(jddp.masked_mean(np.asarray(values), np.asarray(mask))) == 1.5  # NumPy arrays are arrays
+    with pytest.raises(TypeError, match=r"`values` must be an array .*got list"):
+        jddp.masked_mean([1.0, 2.0, 9.0], mask)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"`mask` must hold real numbers or bools, got dtype=<U1"):
+        jddp.masked_mean(values, np.array(["1", "1", "0"]))
+    with pytest.raises(ValueError, match=r"`mask` must be \[batch\] for `values` of shape \(3,\).*\(3, 1\)"):
+        jddp.masked_mean(values, mask[:, None])
+    gone = jnp.ones(3)
+    gone.delete()
+    with pytest.raises(ValueError, match=r"`values` was donated to an earlier step \(or deleted\)"):
+        jddp.masked_mean(gone)

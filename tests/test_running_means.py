@@ -155,3 +155,17 @@ def test_a_weighted_loss_and_metric_are_averaged_over_their_own_weights_across_s
     assert out["loss"] == pytest.approx(float(((x**2) * tokens).sum() / tokens.sum()), rel=1e-6)
     assert out["big"] == pytest.approx(float(((x**2 > 1) * tokens).sum() / tokens.sum()), rel=1e-6)
     assert out["examples"] == 8 and out["steps"] == 2
+
+
+def test_a_state_that_is_not_get_states_is_refused_and_changes_nothing():
+    means = RunningMeans()
+    means.add(Metrics(("loss", "examples"), jnp.array([2.0, 4.0])))
+    before = means.compute()
+    for bad in (None, [1, 2], "state", {"sums": {"loss": 1.0}}, {**means.get_state(), "steps": 1.5}):
+        with pytest.raises(TypeError, match=r"`state` must be the dict that `RunningMeans.get_state` returned"):
+            means.set_state(bad)  # pyright: ignore[reportArgumentType]
+        assert means.compute() == before
+    with pytest.raises(TypeError, match=r"`metrics` must be the jddp.Metrics that `DataParallel.step` returned"):
+        means.add({"loss": 1.0, "examples": 2.0})  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"`parent` must be a RunningMeans or None, got dict"):
+        RunningMeans(parent={})  # pyright: ignore[reportArgumentType]

@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jddp.runtime import checksum
+from jddp.runtime import state as state_lib
 from jddp.runtime.layout import LeafLayout
 
 # Dataclass field metadata key: a field with ``metadata={FINGERPRINT: False}`` (``jddp.config.run_field``) is left
@@ -45,12 +46,18 @@ def digest_array(tree, layouts: list[LeafLayout | None] | None = None) -> jax.Ar
     A replicated leaf is digested once, on the device of its first local copy.
 
     Args:
-      tree: a pytree of arrays.
+      tree: a pytree of live jax.Arrays, at least one.
       layouts: per leaf, the ``LeafLayout`` it is stored with, or None (``leaf_layouts``); a padded leaf is
         digested as its logical value.
+
+    Raises:
+      TypeError: naming ``tree`` for a leaf that is not a ``jax.Array``, or ``layouts`` if it is not a list of
+        ``LeafLayout`` or None.
+      ValueError: naming ``tree`` for a tree without arrays or a donated array, ``layouts`` for a list whose
+        length is not the number of leaves.
     """
-    leaves = jax.tree.leaves(tree)
-    stored: list[LeafLayout | None] = list(layouts) if layouts is not None else [None] * len(leaves)
+    leaves = state_lib.check_tree("tree", tree, device=True, empty=False)
+    stored = _checked_layouts(layouts, len(leaves))
     whole = [i for i, x in enumerate(leaves) if x.is_fully_replicated]
     split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]
     if not split:
@@ -64,6 +71,19 @@ def digest_array(tree, layouts: list[LeafLayout | None] | None = None) -> jax.Ar
     parts = jax.device_put(parts, next(iter(local.devices())))
     order = np.argsort(np.asarray(whole + split))
     return _merge(_digests([leaves[i].addressable_shards[0].data for i in whole], (None,) * len(whole)), parts, order)
+
+
+def _checked_layouts(layouts: Any, count: int) -> list[LeafLayout | None]:
+    if layouts is None:
+        return [None] * count
+    if not isinstance(layouts, list | tuple) or not all(x is None or isinstance(x, LeafLayout) for x in layouts):
+        raise TypeError(
+            f"`layouts` must be a list of jddp.runtime.layout.LeafLayout or None, one per leaf (`leaf_layouts`), or "
+            f"None, got layouts={layouts!r:.60}."
+        )
+    if len(layouts) != count:
+        raise ValueError(f"`layouts` must have one entry per leaf of `tree` ({count}), got {len(layouts)}.")
+    return list(layouts)
 
 
 @jax.jit
@@ -128,8 +148,9 @@ def leaf_layouts(state) -> list[LeafLayout | None]:
 _WHOLE = object()  # a leaf stored as it is
 
 
-def config_fingerprint(config: Any) -> tuple[str, dict[str, Any]]:
-    """A stable fingerprint of a config (dataclass, OmegaConf config, mapping) and its JSON form.
+def config_fingerprint(config: Any | None) -> tuple[str, dict[str, Any]]:
+    """A stable fingerprint of a config (dataclass, OmegaConf config, mapping) and its JSON form; ``("", {})`` for
+    None (no config: a ``Checkpointer`` built without one).
 
     Dataclass fields made with ``jddp.config.run_field`` (where or how the run
     happens: devices, log directory) are left out, at any depth.

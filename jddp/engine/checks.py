@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -47,16 +48,17 @@ class Options:
 
     def __post_init__(self):
         validate.check_int("accumulate_steps", self.accumulate_steps)
-        if self.reduce_dtype is not None and not jnp.issubdtype(self.reduce_dtype, jnp.floating):
+        if self.reduce_dtype is not None and not is_float_dtype(self.reduce_dtype):
             raise ValueError(
                 f"`reduce_dtype` must be a float dtype such as jnp.bfloat16 or None, "
                 f"got reduce_dtype={self.reduce_dtype!r}."
             )
         c = self.clip_grad_norm
-        if c is not None and not (isinstance(c, int | float) and c > 0 and np.isfinite(c)):
+        if c is not None and (isinstance(c, bool) or not (isinstance(c, int | float) and c > 0 and np.isfinite(c))):
             raise ValueError(f"`clip_grad_norm` must be a positive number or None, got clip_grad_norm={c!r}.")
         if self.nonfinite not in ("skip", "raise", "ignore"):
             raise ValueError(f"`nonfinite` must be 'skip', 'raise' or 'ignore', got nonfinite={self.nonfinite!r}.")
+        validate.check_bool("donate", self.donate)
         validate.check_int("max_inflight", self.max_inflight)
         if self.fuse_allreduce is not None and not isinstance(self.fuse_allreduce, bool):
             raise ValueError(
@@ -71,7 +73,7 @@ class Options:
             )
         if not isinstance(self.local_metrics, bool):
             raise ValueError(f"`local_metrics` must be True or False, got local_metrics={self.local_metrics!r}.")
-        if self.compute_dtype is not None and not _is_float_dtype(self.compute_dtype):
+        if self.compute_dtype is not None and not is_float_dtype(self.compute_dtype):
             raise ValueError(
                 "`compute_dtype` must be a float dtype such as jnp.bfloat16 (the forward and backward pass in it, "
                 f"params and optimizer state kept in theirs) or None, got compute_dtype={self.compute_dtype!r}."
@@ -93,70 +95,80 @@ class Options:
             )
 
 
-def check_call(dp, state, batch) -> None:
-    """Before a program runs: ``state`` from this mesh, ``batch`` splittable (checked once per batch shape)."""
-    if not isinstance(state, state_lib.TrainState):
-        raise TypeError(f"`state` must be a jddp.TrainState from `init`, got {type(state).__name__}.")
-    sharding = getattr(state.step, "sharding", None)
+def check_call(dp, state, batch, what: str = "batch") -> None:
+    """Before a program runs: ``state`` live and from this mesh, ``batch`` (named ``what`` in errors) live at every
+    call and splittable (checked once per batch shape)."""
+    check_state(dp, state)
+    leaves, treedef = jax.tree.flatten(batch)
+    for x in leaves:  # a deleted array keeps its shape: checked at every call, one call per leaf
+        if isinstance(x, jax.Array) and x.is_deleted():
+            deleted = [jax.tree_util.keystr(p) for p, y in jax.tree.leaves_with_path(batch) if y is x]
+            raise ValueError(
+                f"{what}{deleted[0] if deleted else ''} is a deleted jax.Array (donated to a program, or deleted): "
+                f"`{what}` must hold live arrays. Pass a batch that no earlier call donated."
+            )
+    signature = (treedef, tuple(np.shape(x) for x in leaves))
+    if signature != dp._checked:
+        check_batch(dp, batch, leaves, what)
+        check_mask(batch, np.shape(leaves[0])[0], every_value=True, what=what)
+        dp._checked = signature
+    else:
+        check_mask(batch, np.shape(leaves[0])[0], every_value=False, what=what)
+
+
+def check_state(dp, state) -> None:
+    """``state`` a live ``TrainState`` (``jddp.runtime.state.check_state``) on this engine's mesh."""
+    state_lib.check_state("state", state)
+    sharding = state.step.sharding
     if sharding is not dp._rep and sharding != dp._rep:
         raise ValueError(
             f"`state` lives on another mesh: its sharding is {sharding}, but this DataParallel "
             f"uses {dp._rep}. Build the state with this object's `init`, or restore the "
             "checkpoint onto this mesh."
         )
-    # The step counter is donated with the rest of the state (one argument): checking it alone is enough, and
-    # does not flatten the parameters at every step.
-    if getattr(state.step, "is_deleted", bool)():
-        raise ValueError(
-            "`state` was donated to an earlier step: `step` reuses its input state's memory for the new state "
-            "(donate=True), so an old state cannot be stepped again. Use the state that `step` returned "
-            "(`state, metrics = dp.step(state, batch)`), or build DataParallel with donate=False to keep old states."
-        )
-    leaves, treedef = jax.tree.flatten(batch)
-    signature = (treedef, tuple(np.shape(x) for x in leaves))
-    if signature != dp._checked:
-        check_batch(dp, batch, leaves)
-        check_mask(batch, np.shape(leaves[0])[0], every_value=True)
-        dp._checked = signature
-    else:
-        check_mask(batch, np.shape(leaves[0])[0], every_value=False)
 
 
-def check_batch(dp, batch, leaves) -> None:
+def check_batch(dp, batch, leaves, what: str = "batch") -> None:
     """Every leaf with one leading size that the devices and micro-batches divide; global arrays across processes."""
+    if isinstance(batch, list) and batch and all(isinstance(b, Mapping) for b in batch):
+        raise TypeError(
+            f"`{what}` must be one global batch (a dict, NamedTuple or dataclass of arrays whose leading axis is the "
+            f"batch), got a list of {len(batch)} dict(s): a list of examples or of batches. "
+            "Stack the examples into arrays (`np.stack`), or pass the batches one per call."
+        )
     if not leaves:
-        raise ValueError("`batch` has no array leaves; pass a dict of arrays with a batch axis.")
+        raise ValueError(f"`{what}` has no array leaves; pass a dict of arrays with a batch axis.")
     sizes = {jax.tree_util.keystr(path): np.shape(x)[:1] for path, x in jax.tree.leaves_with_path(batch)}
     leading = {s[0] if s else None for s in sizes.values()}
     if len(leading) != 1 or None in leading:
         raise ValueError(
-            "Every leaf of `batch` must have the same leading (batch) size, got "
-            + ", ".join(f"{k}: {v[0] if v else 'scalar'}" for k, v in sizes.items())
+            f"Every leaf of `{what}` must have the same leading (batch) size, got "
+            + ", ".join(f"{k or what}: {v[0] if v else 'scalar'}" for k, v in sizes.items())
             + "."
         )
     for path, x in jax.tree.leaves_with_path(batch):
         dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
         if dtype.kind in validate.NOT_NUMERIC_KINDS:
             raise TypeError(
-                f"batch{jax.tree_util.keystr(path)} has dtype {dtype}: only numbers and bools can go to the "
+                f"{what}{jax.tree_util.keystr(path)} has dtype {dtype}: only numbers and bools can go to the "
                 "devices. Encode it as numbers (e.g. integer ids) or keep it out of the batch."
             )
     (size,) = leading
     n, k = dp.num_devices, dp.options.accumulate_steps
     if size % (n * k):
         raise ValueError(
-            f"The global batch size must be divisible by the number of devices times "
+            f"The global batch size of `{what}` must be divisible by the number of devices times "
             f"`accumulate_steps`, got global_batch_size={size}, devices={n}, "
             f"accumulate_steps={k}. Use a global batch size that is a multiple of {n * k}."
         )
     if jax.process_count() > 1 and not all(isinstance(x, jax.Array) for x in leaves):
         raise TypeError(
-            "In a multi-process run every batch leaf must be a global jax.Array; use "
+            f"In a multi-process run every leaf of `{what}` must be a global jax.Array; use "
             "`jddp.data.DataLoader` or `jax.make_array_from_process_local_data`."
         )
 
 
-def check_mask(batch, size: int, *, every_value: bool) -> None:
+def check_mask(batch, size: int, *, every_value: bool, what: str = "batch") -> None:
     """The batch's ``mask``, if any: 0/1 of shape ``[B]``.
 
     Its shape always; its values when it is on the host (NumPy: cheap, at every call) and, for a ``jax.Array``,
@@ -168,13 +180,13 @@ def check_mask(batch, size: int, *, every_value: bool) -> None:
     shape = np.shape(mask)
     if shape != (size,):
         raise ValueError(
-            f"`batch`'s mask must mark each example with 0 (padding) or 1 (real), shape [{size}], got shape "
+            f"`{what}`'s mask must mark each example with 0 (padding) or 1 (real), shape [{size}], got shape "
             f"{shape}. A mask of another shape (per token, [B, 1]) would weight the loss wrongly: squeeze it to "
             "[B], or name a per-token mask otherwise (e.g. 'token_mask') and return a jddp.Weighted loss."
         )
     dtype = np.dtype(mask.dtype if hasattr(mask, "dtype") else np.asarray(mask).dtype)
     if not (np.issubdtype(dtype, np.number) or dtype == np.bool_) or np.issubdtype(dtype, np.complexfloating):
-        raise TypeError(f"`batch`'s mask must be a real or bool array of 0/1, got dtype {dtype}.")
+        raise TypeError(f"`{what}`'s mask must be a real or bool array of 0/1, got dtype {dtype}.")
     if isinstance(mask, jax.Array) and not every_value:
         return
     if isinstance(mask, jax.Array):
@@ -184,7 +196,7 @@ def check_mask(batch, size: int, *, every_value: bool) -> None:
     bad = values[(values != 0) & (values != 1)]
     if bad.size:
         raise ValueError(
-            f"`batch`'s mask must be 0 (padding) or 1 (real example), got {bad[0].item()!r} among its values. For "
+            f"`{what}`'s mask must be 0 (padding) or 1 (real example), got {bad[0].item()!r} among its values. For "
             "weights per example, return a jddp.Weighted(total, weight) loss instead."
         )
 
@@ -210,7 +222,7 @@ def describe(x) -> str:
     return f"{type(x).__name__} {getattr(x, 'shape', '')}".strip()
 
 
-def _is_float_dtype(value) -> bool:
+def is_float_dtype(value) -> bool:
     """Whether ``value`` names a floating dtype (``jnp.bfloat16``, ``"float16"``); False for anything NumPy cannot
     read as a dtype."""
     if not isinstance(value, type | np.dtype | str):
@@ -272,6 +284,8 @@ def key_data(rng) -> np.ndarray:
         rng = jax.random.key(rng)
     if not isinstance(rng, jax.Array | np.ndarray):
         raise TypeError(f"`rng` must be a JAX PRNG key or an int seed, got {type(rng).__name__}.")
+    if state_lib.is_deleted(rng):
+        raise ValueError(state_lib.MSG_DONATED.format(name="rng"))
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     data = np.array(jax.device_get(rng), copy=True)

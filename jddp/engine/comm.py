@@ -13,6 +13,9 @@ import re
 
 import numpy as np
 
+from jddp import validate
+from jddp.engine import checks
+
 COLLECTIVES = (
     "all-reduce",
     "all-reduce-start",
@@ -102,7 +105,18 @@ class CommReport:
           lowered_text: ``lowered.as_text()``: the collectives the program asks
             for, before the backend's passes, in ``lowered`` (``computation`` is
             ``"lowered"``, ``in_loop`` False).
+
+        Raises:
+          TypeError: if a text is not a str (one without collectives, empty too, gives none), or
+            ``reduce_dtype`` not a float dtype or None.
         """
+        validate.check_str("hlo_text", hlo_text, empty=True)
+        validate.check_str("lowered_text", lowered_text, empty=True, optional=True)
+        if reduce_dtype is not None and not checks.is_float_dtype(reduce_dtype):
+            raise TypeError(
+                f"`reduce_dtype` must be a float dtype such as jnp.bfloat16 (the engine's) or None, got "
+                f"reduce_dtype={reduce_dtype!r}."
+            )
         computation, found, calls = "", [], {}
         for line in hlo_text.splitlines():
             m = _COMPUTATION.match(line)
@@ -129,11 +143,13 @@ class CommReport:
         return cls(collectives, notes, lowered)
 
     def count(self, op: str = "all-reduce") -> int:
-        """The number of ops named ``op`` (async ``-start`` forms included)."""
+        """The number of ops named ``op`` (one of ``COLLECTIVES``; async ``-start`` forms included)."""
+        _check_op(op)
         return sum(c.op in (op, f"{op}-start") for c in self.collectives)
 
     def nbytes(self, op: str = "all-reduce") -> int:
-        """The bytes moved per device by ops named ``op`` (per execution of each op)."""
+        """The bytes moved per device by ops named ``op`` (one of ``COLLECTIVES``; per execution of each op)."""
+        _check_op(op)
         return sum(c.nbytes for c in self.collectives if c.op in (op, f"{op}-start"))
 
     def wire_bytes(self, op: str | None = None) -> float:
@@ -142,8 +158,10 @@ class CommReport:
         sends.
 
         Raises:
-          ValueError: if an op's group size is not in the HLO.
+          ValueError: if an op's group size is not in the HLO, or ``op`` is not one of ``COLLECTIVES`` or None.
         """
+        if op is not None:
+            _check_op(op)
         chosen = [c for c in self.collectives if op is None or c.op in (op, f"{op}-start")]
         unknown = [c.op for c in chosen if c.wire_bytes is None]
         if unknown:
@@ -169,6 +187,11 @@ class CommReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _check_op(op: object) -> None:
+    if not isinstance(op, str) or op not in COLLECTIVES:
+        raise ValueError(f"`op` must be one of {', '.join(repr(c) for c in COLLECTIVES)}, got op={op!r}.")
 
 
 def _lowered_collectives(text: str) -> tuple[Collective, ...]:

@@ -102,6 +102,8 @@ class RunningMeans:
 
     def __init__(self, parent: RunningMeans | None = None):
         """``parent``: another ``RunningMeans`` that counts every step this one reads (a window's epoch)."""
+        if parent is not None and not isinstance(parent, RunningMeans):
+            raise TypeError(f"`parent` must be a RunningMeans or None, got {type(parent).__name__}.")
         self.parent = parent
         self.reset()
 
@@ -115,6 +117,11 @@ class RunningMeans:
 
     def add(self, metrics: Metrics) -> None:
         """Counts one step's metrics (read later, by ``compute``)."""
+        if not isinstance(metrics, Metrics):
+            raise TypeError(
+                f"`metrics` must be the jddp.Metrics that `DataParallel.step` returned (kept on the device until "
+                f"`compute`), got {type(metrics).__name__}."
+            )
         if "examples" not in metrics.names:
             raise ValueError(f"RunningMeans needs the step's `examples`, got metrics {list(metrics.names)}.")
         self._pending.append(metrics)
@@ -149,16 +156,26 @@ class RunningMeans:
         }
 
     def set_state(self, state: dict) -> None:
-        """Continues from ``get_state``'s sums (the parent is not touched: it restores its own)."""
+        """Continues from ``get_state``'s sums (the parent is not touched: it restores its own).
+
+        Raises:
+          TypeError: if ``state`` is not a mapping of ``get_state``'s keys and values (nothing changed then).
+        """
+        try:
+            sums = {str(k): float(v) for k, v in state["sums"].items()}
+            examples = float(state["examples"])
+            # A state saved before the per-metric weights: every mean was weighted by the examples.
+            totals = {str(k): float(v) for k, v in state.get("totals", dict.fromkeys(sums, examples)).items()}
+            steps, skipped = _count(state["steps"]), _count(state["skipped"])
+            last = {str(k): float(v) for k, v in state["last"].items()}
+        except (TypeError, ValueError, KeyError, AttributeError) as error:
+            raise TypeError(
+                "`state` must be the dict that `RunningMeans.get_state` returned (keys 'sums', 'totals', "
+                f"'examples', 'steps', 'skipped', 'last'), got {type(state).__name__} ({error!r:.80})."
+            ) from None
         self.reset()
-        self._sums = {str(k): float(v) for k, v in state["sums"].items()}
-        self._examples = float(state["examples"])
-        # A state saved before the per-metric weights: every mean was weighted by the examples.
-        self._totals = {
-            str(k): float(v) for k, v in state.get("totals", dict.fromkeys(self._sums, self._examples)).items()
-        }
-        self._steps, self._skipped = int(state["steps"]), int(state["skipped"])
-        self.last = {str(k): float(v) for k, v in state["last"].items()}
+        self._sums, self._examples, self._totals = sums, examples, totals
+        self._steps, self._skipped, self.last = steps, skipped, last
 
     def _absorb(self, row: dict[str, float], weights: dict[str, float]) -> None:
         if self.parent is not None:
@@ -175,3 +192,10 @@ class RunningMeans:
                 weight = weights.get(k, examples)  # grad_norm, and vectors without weights: the examples
                 self._sums[k] = self._sums.get(k, 0.0) + v * weight
                 self._totals[k] = self._totals.get(k, 0.0) + weight
+
+
+def _count(value) -> int:
+    """A step count from a saved state: an int, or a float holding one (JSON)."""
+    if isinstance(value, bool) or float(value) != int(value) or value < 0:
+        raise ValueError(f"a count must be a whole number >= 0, got {value!r}")
+    return int(value)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -19,6 +19,7 @@ from jddp.engine import checks, comm, fused, loss_scale, mpi, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
 from jddp.runtime import dispatch, distributed, progress, watchdog
+from jddp.runtime import mesh as mesh_lib
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
@@ -157,9 +158,15 @@ class DataParallel:
             raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"`optimizer` must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
-        if not isinstance(mesh, Mesh) or DATA not in mesh.axis_names:
+        if eval_fn is not None and not callable(eval_fn):
+            raise TypeError(
+                f"`eval_fn` must be a function (params, model_state, batch) -> metrics, or None, got "
+                f"{type(eval_fn).__name__}."
+            )
+        mesh_lib.check_mesh("mesh", mesh)
+        if transport is not None and transport not in ("xla", "mpi"):
             raise ValueError(
-                f"`mesh` must be a jax.sharding.Mesh with an axis named {DATA!r}, got {mesh!r}; use `jddp.data_mesh()`."
+                f"`transport` must be 'xla', 'mpi' or None (${ENV_TRANSPORT}), got transport={transport!r}."
             )
         self.options = checks.Options(
             accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce,
@@ -302,6 +309,11 @@ class DataParallel:
             (names the process and the leaf).
         """
         params = checks.host_copy(params, "params")
+        if not jax.tree.leaves(params):
+            raise ValueError(
+                f"`params` holds no arrays, got params={params!r:.60}; pass the model's trainable parameters (a "
+                "pytree of float arrays)."
+            )
         checks.check_trainable(params)
         model_state = checks.host_copy({} if model_state is None else model_state, "model_state")
         key = checks.key_data(rng)
@@ -365,9 +377,11 @@ class DataParallel:
             ),
         ):
             (step, params, opt_state, model_state), packed = program(*self._args(state, batch))
+        if self.options.donate:  # read as donated even where a NumPy view kept JAX from donating the counter
+            state_lib.mark_donated(state)
         dispatch.DISPATCHER.after(packed, f"train step {number}")
         progress.heartbeat(number + 1)
-        state = state_lib.TrainState(step, params, opt_state, model_state, state.rng, state.opt_layout)
+        state = state_lib.unchecked_state(step, params, opt_state, model_state, state.rng, state.opt_layout)
         metrics = metrics_lib.Metrics(self._device.names["step"], packed)
         if self.options.nonfinite == "raise" and metrics["nonfinite"]:
             step = int(state.step) - 1
@@ -402,7 +416,10 @@ class DataParallel:
         Returns:
           ``Metrics`` (names to floats), plus ``examples``, the real examples counted.
         """
-        checks.check_call(self, state, batch)
+        return self._eval_step(state, batch, "batch")
+
+    def _eval_step(self, state: state_lib.TrainState, batch: jt.Batch, what: str) -> metrics_lib.Metrics:
+        checks.check_call(self, state, batch, what)
         if step_lib.leading_size(batch) == 0:  # nothing to evaluate: every mean 0 with weight 0
             names = self._device.names.get("eval", ("loss", "examples"))
             packed = jax.device_put(np.zeros(2 * len(names) - 1, np.float32), self._rep)
@@ -432,6 +449,13 @@ class DataParallel:
         Returns:
           Metric names to floats, plus ``examples``, the real examples seen.
         """
+        if isinstance(batches, Mapping | str | bytes) or not isinstance(batches, Iterable):
+            one = " (one batch: pass [batch])" if isinstance(batches, Mapping) else ""
+            raise TypeError(
+                f"`batches` must be an iterable of batches (a DataLoader, a list of dicts of arrays), got "
+                f"{type(batches).__name__}{one}."
+            )
+        checks.check_state(self, state)
         sampler = getattr(batches, "sampler", None)
         if (
             sampler is not None
@@ -447,8 +471,8 @@ class DataParallel:
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}
         examples = 0.0
-        for batch in batches:
-            m = self.eval_step(state, batch)
+        for i, batch in enumerate(batches):
+            m = self._eval_step(state, batch, f"batches[{i}]")
             for name, weight in m.weights.items():
                 totals[name] = totals.get(name, 0.0) + m[name] * weight
                 weights[name] = weights.get(name, 0.0) + weight
@@ -476,6 +500,7 @@ class DataParallel:
         A collective: call it on every process, at the same step (``jddp.fit`` does every
         ``replica_check_every`` steps and before each checkpoint).
         """
+        checks.check_state(self, state)
         dispatch.DISPATCHER.drain()  # another program with collectives must not be in flight
         with watchdog.waiting():
             replicas.check_replicas(state, self.mesh)

@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jddp.runtime import state as state_lib
 
 
 class Weighted(NamedTuple):
@@ -37,7 +40,7 @@ class Weighted(NamedTuple):
     weight: jax.Array
 
 
-def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def masked_mean(values: jax.Array | np.ndarray, mask: jax.Array | np.ndarray | None = None) -> jax.Array:
     """The mean of ``values`` over the examples where ``mask`` is non-zero.
 
     Args:
@@ -49,11 +52,25 @@ def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
       A scalar; 0 (not NaN) when the mask is all zeros, so that a device whose
       examples are all padding contributes nothing.
 
+    Raises:
+      TypeError: if ``values`` or ``mask`` is not an array of real numbers or
+        bools (a list, a string).
+      ValueError: if ``mask`` is not ``[batch]`` for ``values``' leading axis,
+        or an array was donated.
+
     Example:
       >>> import jax.numpy as jnp, jddp
       >>> float(jddp.masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([1, 1, 0])))
       1.5
     """
+    _check_values("values", values)
+    if mask is not None:
+        _check_values("mask", mask)
+        if np.ndim(values) == 0 or np.shape(mask) != np.shape(values)[:1]:
+            raise ValueError(
+                f"`mask` must be [batch] for `values` of shape {np.shape(values)}: one 0/1 per example of the "
+                f"leading axis, got mask of shape {np.shape(mask)}."
+            )
     values = jnp.asarray(values)
     if not jnp.issubdtype(values.dtype, jnp.inexact):
         values = values.astype(jnp.float32)  # booleans (accuracy) and counts
@@ -62,6 +79,13 @@ def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     mask = jnp.asarray(mask, values.dtype)
     per_example = values.reshape(values.shape[0], -1).mean(axis=1)
     return jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def _check_values(name: str, x) -> None:
+    """``x`` an array of real numbers or bools, live (a Python number or bool is a scalar one)."""
+    if isinstance(x, bool | int | float) and not isinstance(x, np.generic):
+        return
+    state_lib.check_array(name, x)
 
 
 def find_mask(batch):

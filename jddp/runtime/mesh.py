@@ -93,19 +93,42 @@ def data_mesh(
     from jddp.runtime import distributed
 
     distributed.check_joined()
+    if devices is not None and (isinstance(devices, str | bytes) or not hasattr(devices, "__iter__")):
+        raise TypeError(
+            f"`devices` must be a list of jax devices (e.g. `jax.devices()[:4]`) or None for all, got "
+            f"devices={devices!r}."
+        )
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("`devices` is empty; pass at least one device or None for all.")
+    odd = next((d for d in devices if not isinstance(d, jax.Device)), None)
+    if odd is not None:
+        raise TypeError(
+            f"`devices` must hold jax devices (from `jax.devices()`), got {type(odd).__name__} ({odd!r:.40}) among "
+            "them."
+        )
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"`devices` names a device more than once, got devices={devices}; list each once.")
     devices.sort(key=lambda d: (d.process_index, d.id))
     distributed.announce_topology()  # once per run: a script that never calls initialize still says where it runs
     return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
 
 
+def check_mesh(name: str, mesh: object, *, data_axis: bool = True) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``mesh`` is a ``jax.sharding.Mesh`` with (if ``data_axis``) an
+    axis ``"data"``."""
+    if not isinstance(mesh, Mesh) or (data_axis and DATA_AXIS not in mesh.axis_names):
+        axis = f" with an axis named {DATA_AXIS!r}" if data_axis else ""
+        raise ValueError(f"`{name}` must be a jax.sharding.Mesh{axis}, got {mesh!r:.80}; use `jddp.data_mesh()`.")
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
-    """The sharding of a value held whole on every device of ``mesh``."""
+    """The sharding of a value held whole on every device of ``mesh`` (any mesh)."""
+    check_mesh("mesh", mesh, data_axis=False)
     return NamedSharding(mesh, PartitionSpec())
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """The sharding of a batch: leading axis split over ``"data"``."""
+    check_mesh("mesh", mesh)
     return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
