@@ -36,6 +36,14 @@ has completed and has in flight, every process's progress as it saw it, and
 the Python stack of every thread; prints one line naming the process that is
 behind (the lowest step; among equals, one that is not waiting for its peers)
 and where it is; and exits with ``EXIT_STALLED`` (70).
+
+Collective calls: every jddp call that every process of a group must make is
+declared with ``collective_call`` (``DataParallel.step``, ``Checkpointer.save``,
+``jddp.barrier``, the host collectives, ...; ``COLLECTIVE_CALLS`` lists them) and
+numbers itself as it begins. The watchdog publishes the number and the last
+names with the heartbeat; ``mismatch`` finds processes that made different calls
+at one number (a call made by a subset of the processes) and names the call and
+the processes that made it.
 """
 
 from __future__ import annotations
