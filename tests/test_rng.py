@@ -17,6 +17,7 @@ import jddp
 from tests import dropout_models, multiprocess
 
 STEPS = 20
+STEPS_PER_LAYOUT = 8
 
 
 def losses_on(n: int, make, rng: str = "example", steps: int = STEPS) -> list[float]:
@@ -27,10 +28,15 @@ def losses_on(n: int, make, rng: str = "example", steps: int = STEPS) -> list[fl
 
 @pytest.mark.parametrize("library", list(dropout_models.FACTORIES))
 def test_dropout_trains_alike_on_1_2_and_8_devices(library):
+    """1 and 8 devices for every library; 2 (another slice of the same draws) for the first only: each layout is
+    a compilation, the slowest part of this test."""
     make = dropout_models.FACTORIES[library]
-    one, two, eight = (np.array(losses_on(n, make)) for n in (1, 2, 8))
-    assert np.max(np.abs(one - eight)) < 1e-5 and np.max(np.abs(one - two)) < 1e-5, (one - two, one - eight)
+    layouts = (1, 2, 8) if library == next(iter(dropout_models.FACTORIES)) else (1, 8)
+    one, *others = (np.array(losses_on(n, make, steps=STEPS_PER_LAYOUT)) for n in layouts)
+    assert all(np.max(np.abs(one - other)) < 1e-5 for other in others), [one - other for other in others]
     assert one[-1] < one[0]  # it trains
+    if len(layouts) == 2:
+        return
     # The classic key per device gives other masks on every layout: the comparison above can fail.
     per_device = np.array(losses_on(8, make, rng="device", steps=3))
     assert np.max(np.abs(per_device - one[:3])) > 1e-3
