@@ -177,30 +177,30 @@ def test_read_only_on_a_directory_not_written_yet_restores_nothing_and_creates_n
 
 
 @pytest.mark.multiprocess
-def test_an_evaluator_restores_20_complete_steps_while_a_trainer_saves_64_mb_every_step(tmp_path):
+def test_an_evaluator_restores_10_complete_steps_while_a_trainer_saves_16_mb_every_step(tmp_path):
     """Two processes on one directory: no save lost, every restore a complete step, a second writer refused."""
     worker = str(multiprocess.WORKERS / "ckpt_access.py")
     env = multiprocess.environment(JDDP_LOCAL_DEVICES="1")
     directory = str(tmp_path / "ckpt")
     trainer = subprocess.Popen(
-        [sys.executable, worker, "train", directory, "80"], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, worker, "train", directory, "40"], env=env, stdout=subprocess.PIPE, text=True
     )
     try:
         evaluator = subprocess.run(
-            [sys.executable, worker, "evaluate", directory, "20"], env=env, capture_output=True, text=True, timeout=600
+            [sys.executable, worker, "evaluate", directory, "10"], env=env, capture_output=True, text=True, timeout=600
         )
         trained, _ = trainer.communicate(timeout=600)
     finally:
         trainer.kill()
     assert trainer.returncode == 0 and evaluator.returncode == 0, evaluator.stderr[-3000:]
-    assert "trainer saved 80 published [79, 80]" in trained, trained
+    assert "trainer saved 40 published [39, 40]" in trained, trained
     lines = evaluator.stdout.splitlines()
     assert f"second writer refused: Checkpoint directory '{directory}' is being written by another run" in lines
     restored = [line for line in lines if line.startswith("restored ")]
-    assert len(restored) == 20 and all(line.endswith(" complete") for line in restored), evaluator.stdout
+    assert len(restored) == 10 and all(line.endswith(" complete") for line in restored), evaluator.stdout
     steps = [int(line.split()[1]) for line in restored]
-    assert steps == sorted(steps) and steps[-1] <= 80
-    assert len(set(steps)) >= 5, steps  # it restored while the trainer saved, not 20 times the last step
+    assert steps == sorted(steps) and steps[-1] <= 40
+    assert len(set(steps)) >= 3, steps  # it restored while the trainer saved, not 10 times the last step
 
 
 # ------------------------------------------------------------------ what is not damage, what is an error

@@ -1,6 +1,6 @@
 """Two roles on one checkpoint directory, each a process of its own (tests/test_checkpoint_access.py).
 
-    python ckpt_access.py train DIR STEPS     # saves a 64 MB state asynchronously at every step
+    python ckpt_access.py train DIR STEPS     # saves a 16 MB state asynchronously at every step
     python ckpt_access.py evaluate DIR N      # restores the newest step read-only N times meanwhile
 
 The trainer's parameters at step k are all equal to k (SGD with a constant gradient of -1), so a
@@ -19,7 +19,7 @@ import optax
 
 import jddp
 
-SIZE = 16 << 20  # float32 elements: 64 MiB
+SIZE = 4 << 20  # float32 elements: 16 MiB
 
 
 def loss_fn(params, model_state, batch, key):
