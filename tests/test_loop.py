@@ -316,3 +316,7 @@ def test_a_restore_without_the_loader_says_the_data_position_is_not_restored(tmp
         ckpt.restore_or_init(state, train)
     assert train.sampler.position == 3
     ckpt.close()
+    with warnings.catch_warnings():  # an evaluator beside the run reads the model only: nothing to say
+        warnings.simplefilter("error")
+        with jddp.Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+            assert int(reader.restore_or_init(state).step) == int(state.step)

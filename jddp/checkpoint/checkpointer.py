@@ -477,7 +477,9 @@ class Checkpointer:
             meta, reason = restore.read_meta(self.directory, step)
             if meta is not None:
                 restore.check_compatible(self, step, meta, state)  # a wrong model or config is an error, not damage
-                result, reason = restore.try_restore(self._manager, self.directory, step, meta, state, loader, extra)
+                result, reason = restore.try_restore(
+                    self._manager, self.directory, step, meta, state, loader, extra, read_only=self.read_only
+                )
             if preemption.all_agree(reason is None):
                 restored = result
                 break

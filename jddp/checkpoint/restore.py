@@ -111,10 +111,11 @@ def _with_fix(path: str, what: str) -> str:
 
 
 def try_restore(
-    manager, directory, step: int, meta: dict, state: TrainState, loader, extra=None
+    manager, directory, step: int, meta: dict, state: TrainState, loader, extra=None, read_only: bool = False
 ) -> tuple[Any, str | None]:
     """``((state, loader position or None, extra state or None, step), None)``, or ``(None, why the step is
-    damaged)``."""
+    damaged)``. A reader (``read_only``) is not warned of a data position it does not take: it evaluates, it does
+    not train on."""
     target = as_dict(state)
     layouts = digest.leaf_layouts(state)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
@@ -148,7 +149,7 @@ def try_restore(
         return None, f"digest mismatch in {len(bad)} leaf(s), first {bad[0]}"
     new_state = TrainState(**tree, opt_layout=state.opt_layout)
     found = {k: result[k] if k in items else None for k in (LOADER, EXTRA)}
-    if loader is None and has_loader:
+    if loader is None and has_loader and not read_only:
         warnings.warn(MSG_POSITION_NOT_RESTORED.format(step=step, directory=directory), CheckpointWarning, stacklevel=5)
     return (new_state, found[LOADER], found[EXTRA], step), None
 
