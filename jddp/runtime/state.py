@@ -98,7 +98,8 @@ def mark_donated(state: TrainState) -> None:
     step = state.step
     if step.is_deleted():
         return
-    gone = jax.device_put(np.zeros(step.shape, step.dtype), step.sharding)
+    zeros = np.zeros(step.shape, step.dtype)
+    gone = jax.make_array_from_callback(step.shape, step.sharding, lambda index: zeros[index])  # local: no collective
     gone.delete()
     object.__setattr__(state, "step", gone)  # the frozen dataclass's own way of setting a field
 
