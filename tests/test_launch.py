@@ -19,9 +19,13 @@ import pytest
 
 import jddp
 from jddp import exitcodes, net
+from jddp.checkpoint import checkpointer as _checkpointer  # noqa: F401
 from jddp.cli import launch as launch_lib
 from jddp.cli import output
 from jddp.engine import mpi
+from jddp.engine import parallel as _parallel  # noqa: F401
+from jddp.runtime import host as _host  # noqa: F401
+from jddp.runtime import progress as _progress
 from tests import models, multiprocess
 
 pytestmark = pytest.mark.multiprocess
@@ -445,13 +449,8 @@ def ended_launchers(launchers: list[subprocess.Popen]) -> tuple[list, list[float
 
 # ------------------------------------------------------------ a collective made by a subset of the processes
 
-# Modules whose calls every process must make (``progress.collective_call``): imported so that their names are
-# registered, and a new one is a new case below the day it is declared.
-from jddp.checkpoint import checkpointer as _checkpointer  # noqa: E402, F401
-from jddp.engine import parallel as _parallel  # noqa: E402, F401
-from jddp.runtime import host as _host  # noqa: E402, F401
-from jddp.runtime import progress as _progress  # noqa: E402
-
+# The calls every process must make (``progress.collective_call``) register their names as their modules are
+# imported (checkpointer, parallel, host, distributed: imported above): a new one is a case the day it is declared.
 ALONE = str(multiprocess.WORKERS / "alone.py")
 # Calls whose lone call cannot be told from the others' calls, with the reason; every other is a case.
 ALONE_ACCEPTED = {
