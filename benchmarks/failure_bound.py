@@ -68,7 +68,7 @@ def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peer-timeouts", default="10,30,60", help="peer timeouts T (s)")
     parser.add_argument("--hogs", default="0,2", help="busy processes beside the group, for each row")

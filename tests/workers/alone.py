@@ -31,8 +31,15 @@ state = dp.init({"w": np.ones((4, 1), np.float32)})
 local = np.ones((2 * jax.local_device_count(), 4), np.float32)
 batch = {"x": jax.make_array_from_process_local_data(jddp.batch_sharding(mesh), local)}
 ckpt = jddp.Checkpointer(os.path.join(out, "ckpt"), save_every=None) if call.startswith("Checkpointer") else None
+
+
+def checkpointer() -> jddp.Checkpointer:
+    assert ckpt is not None, "the Checkpointer cases open one on every process first"
+    return ckpt
+
+
 if call == "Checkpointer.restore_or_init":
-    ckpt.save(state, wait=True)  # by every process: the restore alone then has a step to agree on
+    checkpointer().save(state, wait=True)  # by every process: the restore alone then has a step to agree on
 
 
 def plain_jit():
@@ -46,9 +53,9 @@ CALLS = {
     "DataParallel.eval_step": lambda: float(dp.eval_step(state, batch)["loss"]),
     "DataParallel.evaluate": lambda: dp.evaluate(state, [batch]),
     "DataParallel.check_replicas": lambda: dp.check_replicas(state),
-    "Checkpointer.save": lambda: ckpt.save(state, wait=True),
-    "Checkpointer.maybe_save": lambda: ckpt.maybe_save(state),
-    "Checkpointer.restore_or_init": lambda: ckpt.restore_or_init(state),
+    "Checkpointer.save": lambda: checkpointer().save(state, wait=True),
+    "Checkpointer.maybe_save": lambda: checkpointer().maybe_save(state),
+    "Checkpointer.restore_or_init": lambda: checkpointer().restore_or_init(state),
     "Checkpointer()": lambda: jddp.Checkpointer(os.path.join(out, "other")),
     "jddp.barrier": lambda: jddp.barrier("alone"),
     "jddp.host_all_gather": lambda: jddp.host_all_gather(me),
