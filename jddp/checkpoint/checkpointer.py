@@ -204,7 +204,7 @@ class Checkpointer:
                 try:
                     self._manager.reload()
                     break
-                except FileNotFoundError:
+                except (FileNotFoundError, NotADirectoryError):  # Orbax names a step removed mid-read either way
                     if attempt == 4:
                         raise
                     time.sleep(0.05)

@@ -166,7 +166,8 @@ class DataParallel:
         mesh_lib.check_mesh("mesh", mesh)
         if transport is not None and transport not in ("xla", "mpi"):
             raise ValueError(
-                f"`transport` must be 'xla', 'mpi' or None (${ENV_TRANSPORT}), got transport={transport!r}."
+                f"`transport` must be 'xla' (XLA's own collectives, gloo across processes on CPU) or 'mpi' "
+                f"(MPI_Allreduce through mpi4jax), or None (${ENV_TRANSPORT}, else 'xla'), got {transport!r}."
             )
         self.options = checks.Options(
             accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce,

@@ -40,8 +40,9 @@ def check_array(name: str, x: Any, *, real: bool = True) -> None:
         )
     if is_deleted(x):
         raise ValueError(MSG_DONATED.format(name=name))
-    kind = np.dtype(x.dtype).kind if not _is_key(x) else "V"
-    if real and kind not in "biuf":
+    # jnp.issubdtype knows the ml_dtypes floats (bfloat16, float8): NumPy sees them as kind "V"
+    number = not _is_key(x) and any(jnp.issubdtype(x.dtype, t) for t in (jnp.floating, jnp.integer, jnp.bool_))
+    if real and not number:
         raise TypeError(f"`{name}` must hold real numbers or bools, got dtype={x.dtype}.")
 
 
