@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "group.py"
 ENDING = re.compile(r"ENDING ([\d.]+)")
+sys.path.insert(0, str(ROOT))  # run as a script: the repository's root, for benchmarks.stall_detector
+from benchmarks.stall_detector import busy_processes  # noqa: E402
 
 
 def run_once(how: str, peer_timeout: float) -> tuple[int, float] | None:
@@ -44,17 +46,12 @@ def run_once(how: str, peer_timeout: float) -> tuple[int, float] | None:
 
 
 def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> None:
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
     results = []
-    try:
+    with busy_processes(hogs):
         for _ in range(repeats):
             result = run_once(how, peer_timeout)
             if result is not None:
                 results.append(result)
-    finally:
-        for p in load:
-            p.kill()
-            p.wait()
     if not results:
         return
     codes = sorted({code for code, _ in results})

@@ -17,6 +17,7 @@ alarms, and the load average seen.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -29,6 +30,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "stall.py"
 VERDICT = re.compile(r"no process made progress for ([\d.]+) s \(bound ([\d.]+) s")
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` busy Python processes (``while True: pass``) beside whatever runs inside, killed and reaped after."""
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
 
 
 def launch(
@@ -44,13 +57,9 @@ def launch(
 
 def detection(how: str, floor: float, repeats: int, peer_timeout: float = 10, hogs: int = 0) -> None:
     bounds, quiets, latencies = [], [], []
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
-    try:
+    with busy_processes(hogs):
         for _ in range(repeats):
             _detect_once(how, floor, peer_timeout, bounds, quiets, latencies)
-    finally:
-        for p in load:
-            p.kill()
     if latencies:
         over = [lat - b for lat, b in zip(latencies, bounds, strict=True)]
         print(
@@ -78,9 +87,8 @@ def _detect_once(how: str, floor: float, peer_timeout: float, bounds: list, quie
 
 
 def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
     alarms, runs, loads = 0, 0, []
-    try:
+    with busy_processes(spinners):
         time.sleep(20)  # let the load average climb
         for loop in ("fit", "hand"):
             for _ in range(repeats):
@@ -97,9 +105,6 @@ def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
                     elif done.returncode != 0:
                         print(f"  run failed (exit {done.returncode}):\n{done.stderr[-1500:]}")
                     loads.append(os.getloadavg()[0])
-    finally:
-        for p in load:
-            p.kill()
     print(
         f"  no stall, {steps} steps, floor {floor:g} s, {spinners} busy processes: {alarms} false alarms in {runs} "
         f"runs (fit and a hand-written loop); 1-min load average {min(loads):.1f} to {max(loads):.1f}"
@@ -107,7 +112,7 @@ def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--floor", type=float, default=3.0, help="JDDP_STALL_FLOOR for every run (s)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=500)
