@@ -96,6 +96,14 @@ VARIABLES: dict[str, Variable] = _declare(
         True,
         "the compilation cache's directory; on (default: $XDG_CACHE_HOME/jddp/xla or ~/.cache/jddp/xla) or off",
     ),
+    # in-memory snapshots (jddp.checkpoint.snapshot)
+    Variable(
+        "JDDP_SNAPSHOT_DIR",
+        "path",
+        None,
+        "a directory in memory (tmpfs, e.g. /dev/shm/...) that outlives the processes, where each keeps snapshots of "
+        "the training state to restart from; jddp launch sets one per run",
+    ),
     # set by jddp launch for each process: for the script to read
     Variable("JDDP_LOCAL_RANK", "int", None, "this process's index on its node (jddp launch)", internal=True),
     Variable("JDDP_RESTART_COUNT", "int", 0, "the attempt: 0 first, then 1 per restart (jddp launch)", internal=True),
