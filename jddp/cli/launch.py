@@ -104,8 +104,11 @@ import json
 import math
 import os
 import re
+import select
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -115,6 +118,7 @@ from types import FrameType
 
 from jddp import envvars, exitcodes, net
 from jddp.cli import output, reports
+from jddp.cli import spare as spare_lib
 
 STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
 DEFAULT_PEER_TIMEOUT_S: float = envvars.VARIABLES["JDDP_PEER_TIMEOUT"].default  # distributed's (no JAX here)
@@ -135,6 +139,11 @@ SERVICE_GRACE_S = 10.0  # the service outlives a launcher killed without a word 
 NOTE_GLOB = re.compile(r"note-(\d+)\.json")  # jddp.runtime.watchdog.NOTE_FILE: what a process tells its launcher
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# With a restart left: how long after an attempt's start the spares and the next coordination service start when
+# the processes' goodput ledger does not say earlier that they are past their first step (a script without fit).
+PREPARE_AFTER_S = 3.0
+ENV_SNAPSHOT_DIR = "JDDP_SNAPSHOT_DIR"  # the run's snapshot directory (jddp.envvars)
+SNAPSHOT_PREFIX = "jddp-snapshots-"  # the launcher's snapshot directory: jddp-snapshots-<launcher pid>-<random>
 
 
 def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
@@ -210,6 +219,12 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         "slower on a 2-core VM, see BENCHMARKS.md (default: off)",
     )
     parser.add_argument(
+        "--no-spares",
+        action="store_true",
+        help="with --max-restarts, start no spare processes that import JAX before a restart needs them "
+        "(default: one spare per process, see jddp.cli.spare)",
+    )
+    parser.add_argument(
         "--transport",
         choices=("xla", "mpi"),
         default="xla",
@@ -253,6 +268,7 @@ class LaunchConfig:
     peer_timeout: float | None = None  # seconds before a silent peer counts as dead (JDDP_PEER_TIMEOUT)
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
     cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
+    spares: bool = True  # with max_restarts > 0, spare processes with the imports done wait for a restart
     transport: str = "xla"  # "mpi": the processes run under mpiexec and sum through MPI (jddp.engine.mpi)
 
     def __post_init__(self) -> None:
@@ -305,9 +321,12 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
       >>> config.nprocs, config.module, config.target, config.target_args
       (2, True, 'train', ('steps=10',))
     """
-    options = dict(vars(args))  # the flags' names are the fields' names, but for these two
+    options = dict(vars(args))  # the flags' names are the fields' names, but for these three
     target_args, no_malloc_tuning = options.pop("args"), options.pop("no_malloc_tuning")
-    return LaunchConfig(target_args=tuple(target_args), malloc_tuning=not no_malloc_tuning, **options)
+    no_spares = options.pop("no_spares")
+    return LaunchConfig(
+        target_args=tuple(target_args), malloc_tuning=not no_malloc_tuning, spares=not no_spares, **options
+    )
 
 
 def command(config: LaunchConfig) -> list[str]:
@@ -342,9 +361,18 @@ def share_environment(env: dict[str, str], cores: list[int]) -> None:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
 
+def base_environment(config: LaunchConfig) -> dict[str, str]:
+    """Our environment plus what every process gets whatever its role: what a spare starts with."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if config.malloc_tuning and "GLIBC_TUNABLES" not in env:
+        env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
+    return env
+
+
 def environment(config: LaunchConfig, local_rank: int, coordinator: str, attempt: int) -> dict[str, str]:
     """Our environment plus the ``JDDP_*`` variables of process ``local_rank`` on this node (see the manual)."""
-    env = dict(os.environ)
+    env = base_environment(config)
     env.update(
         JDDP_COORDINATOR=coordinator,
         JDDP_NUM_PROCESSES=str(config.nnodes * config.nprocs),
@@ -352,15 +380,53 @@ def environment(config: LaunchConfig, local_rank: int, coordinator: str, attempt
         JDDP_LOCAL_RANK=str(local_rank),
         JDDP_RESTART_COUNT=str(attempt),
         JDDP_MAX_RESTARTS=str(config.max_restarts),
-        PYTHONUNBUFFERED="1",
     )
     if config.devices_per_process is not None:
         env["JDDP_LOCAL_DEVICES"] = str(config.devices_per_process)
     if config.peer_timeout is not None:
         env["JDDP_PEER_TIMEOUT"] = str(config.peer_timeout)
-    if config.malloc_tuning and "GLIBC_TUNABLES" not in env:
-        env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
     return env
+
+
+def snapshot_base() -> str:
+    """Where the launcher makes its snapshot directory: ``/dev/shm`` when it is a tmpfs (memory), else the temporary
+    directory."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/mounts") as f:
+            if any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in f):
+                return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+def sweep_snapshots(base: str) -> list[str]:
+    """Removes the snapshot directories in ``base`` of launchers of this host that no longer run (one SIGKILLed
+    cannot remove its own); returns them. Those of running launchers, and of other users', stay."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            pid = name[len(SNAPSHOT_PREFIX) :].split("-", 1)[0]
+            if not name.startswith(SNAPSHOT_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue  # its launcher runs
+            except PermissionError:
+                continue  # another user's process runs under that pid
+            except ProcessLookupError:
+                pass
+            path = os.path.join(base, name)
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+    return removed
+
+
+def pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` ends (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 @dataclasses.dataclass
@@ -373,6 +439,8 @@ class _Worker:
     ended_at: float | None = None  # the same as wall time, for the summary
     unresponsive: bool = False  # still running when the group had failed: the launcher killed it
     stopped_for_restart: bool = False  # still running when another failed and a restart followed: killed at once
+    from_spare: bool = False  # a spare process handed this role (jddp.cli.spare), not started for it
+    pidfd: int | None = None  # readable once it ended: the launcher wakes at once (pidfd)
 
 
 class _Launcher:
@@ -390,6 +458,14 @@ class _Launcher:
         self.attempt = 0
         self.note_dir = tempfile.mkdtemp(prefix="jddp-launch-")  # JDDP_LEDGER_NOTE: where fit's ledger is
         self.reports: reports.ReportServer | None = None  # node 0 of several: the other launchers' reports
+        self.spares: dict[int, spare_lib.Spare] = {}  # by local rank: waiting for a restart's role
+        self.spares_said_ready = False
+        self.prepared = False  # this attempt's spares and next service started
+        self.next_service: tuple[str, subprocess.Popen[bytes], threading.Event, list[bytes]] | None = None
+        self.draining: list[threading.Thread] = []  # output readers of a stopped group, joined at the end
+        self.reapers: list[threading.Thread] = []  # services stopping in the background, joined at the end
+        self.snapshot_dir: str | None = None  # JDDP_SNAPSHOT_DIR, made by run() unless the user set one
+        self.own_snapshot_dir = False
 
     # -- the coordination service (node 0 only) -------------------------------
     def start_service(self, coordinator: str) -> None:
@@ -400,21 +476,24 @@ class _Launcher:
           OSError: the coordinator address is taken.
         """
         net.check_port_free(*net.split_address(coordinator))
+        self.service, self.service_ready, self.service_said = self.spawn_service(coordinator)
+
+    def spawn_service(self, coordinator: str) -> tuple[subprocess.Popen[bytes], threading.Event, list[bytes]]:
+        """The service's process, the event set once it listens, and what it said until then."""
         argv = [str(self.config.nnodes * self.config.nprocs), str(SERVICE_HEARTBEAT_S), str(SERVICE_SHUTDOWN_S)]
         # As for process 0's own service: the job's SIGTERM, SIGINT and SIGHUP (scancel, a time limit, a cgroup
         # kill signal every process) are for the workers, which need the service to agree on a step and save; it
         # stops on SERVICE_STOP_SIGNAL from this launcher, or SERVICE_GRACE_S after this launcher is gone.
         argv += ["--parent", str(os.getpid()), "--grace", str(SERVICE_GRACE_S)]
-        self.service = subprocess.Popen(
+        service = subprocess.Popen(
             [sys.executable, "-u", "-m", "jddp.runtime.coordinator", coordinator, *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher only
         )
-        assert self.service.stdout is not None
-        self.service_said: list[bytes] = []
-        self.service_ready = ready = threading.Event()
-        said = self.service_said
+        assert service.stdout is not None
+        said: list[bytes] = []
+        ready = threading.Event()
 
         def read(pipe) -> None:
             for line in pipe:
@@ -423,7 +502,8 @@ class _Launcher:
                     if line.startswith(SERVICE_READY):
                         ready.set()
 
-        threading.Thread(target=read, args=(self.service.stdout,), daemon=True).start()
+        threading.Thread(target=read, args=(service.stdout,), daemon=True).start()
+        return service, ready, said
 
     def await_service(self, coordinator: str) -> None:
         """Waits until the service started by ``start_service`` listens.
@@ -439,17 +519,101 @@ class _Launcher:
                 text = b"".join(self.service_said).decode(errors="replace").strip() or "no output"
                 raise OSError(f"the coordination service at {coordinator} did not start:\n{text}")
 
-    def stop_service(self) -> None:
-        if self.service is None:
+    def stop_service(self, *, wait: bool = True) -> None:
+        """Stops the attempt's service; without ``wait`` in the background (joined when the launcher ends): the next
+        attempt's service listens on another port, and nothing needs this one any more."""
+        service, self.service = self.service, None
+        if service is None:
             return
-        if self.service.poll() is None:
-            self.service.send_signal(SERVICE_STOP_SIGNAL)
-            try:
-                self.service.wait(10)
-            except subprocess.TimeoutExpired:
-                self.service.kill()
-                self.service.wait()
-        self.service = None
+
+        def stop() -> None:
+            if service.poll() is None:
+                service.send_signal(SERVICE_STOP_SIGNAL)
+                try:
+                    service.wait(10)
+                except subprocess.TimeoutExpired:
+                    service.kill()
+                    service.wait()
+
+        if wait:
+            stop()
+            return
+        reaper = threading.Thread(target=stop, daemon=True)
+        reaper.start()
+        self.reapers.append(reaper)
+
+    def adopt_next_service(self) -> str | None:
+        """The next attempt's coordinator, when its service was started in advance (``prepare_restart``) and still
+        runs: it becomes this attempt's service."""
+        next_service, self.next_service = self.next_service, None
+        if next_service is None:
+            return None
+        coordinator, popen, ready, said = next_service
+        if popen.poll() is not None:
+            return None
+        self.service, self.service_ready, self.service_said = popen, ready, said
+        return coordinator
+
+    # -- getting ready for a restart: spares and the next service --------------------
+    def prepare_restart(self) -> None:
+        """Once this attempt's processes are past their first step (or ``PREPARE_AFTER_S`` after its start), with a
+        restart left: starts the next attempt's coordination service (a local run's: a fresh free port) and one spare
+        per local process (``jddp.cli.spare``), so that a restart waits for neither."""
+        c = self.config
+        if self.prepared or self.attempt >= c.max_restarts or c.transport != "xla":
+            return
+        if time.time() - self.attempt_start < PREPARE_AFTER_S and not self.first_step_taken():
+            return
+        self.prepared = True
+        if c.node_rank == 0 and c.coordinator is None and self.next_service is None:
+            coordinator = f"127.0.0.1:{net.free_port()}"
+            self.next_service = (coordinator, *self.spawn_service(coordinator))
+        if c.spares:
+            for local_rank in range(c.nprocs):
+                if local_rank not in self.spares:
+                    self.spares[local_rank] = self.start_spare(local_rank)
+
+    def first_step_taken(self) -> bool:
+        """Whether this attempt's goodput ledger (fit's, named in the note ``JDDP_LEDGER_NOTE``) has a first step."""
+        from jddp import goodput  # no JAX, no NumPy
+
+        try:
+            with open(os.path.join(self.note_dir, "ledger")) as f:
+                path = f.read().strip()
+            with open(path, "rb") as f:
+                start, first_step_end = (
+                    struct.unpack("<d", os.pread(f.fileno(), 8, 8 * goodput.SLOTS.index(name)))[0]
+                    for name in ("attempt_start", "first_step_end")
+                )
+        except (OSError, ValueError, struct.error):
+            return False
+        return abs(start - self.attempt_start) < 1e-3 and first_step_end > 0
+
+    def start_spare(self, local_rank: int) -> spare_lib.Spare:
+        env = base_environment(self.config)
+        if self.snapshot_dir is not None:
+            env[ENV_SNAPSHOT_DIR] = self.snapshot_dir
+        cores = self.cores(local_rank, env)
+        ours, theirs = socket.socketpair()
+        prefix = output.Prefix(f"[spare {local_rank}] ".encode())  # a spare prints nothing before its role
+        argv = [sys.executable, "-u", "-m", "jddp.cli.spare", str(theirs.fileno())]
+        try:
+            popen, readers, stdout_fd = self.spawn(argv, env, cores, prefix, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        return spare_lib.Spare(local_rank, popen, ours, prefix, readers, stdout_fd)
+
+    def spares_ready(self) -> None:
+        """Says once when every spare finished its imports."""
+        if self.spares and not self.spares_said_ready and all(s.ready() for s in self.spares.values()):
+            self.spares_said_ready = True
+            self.output.say(f"{len(self.spares)} spare process(es) ready for a restart")
+
+    def discard_spares(self) -> None:
+        spares, self.spares = self.spares, {}
+        for spare in spares.values():
+            spare.discard()
+            self.draining += spare.readers
 
     # -- processes ----------------------------------------------------------
     def start(self, attempt: int) -> None:
@@ -457,9 +621,15 @@ class _Launcher:
         # the goodput ledger's start of this attempt (JDDP_ATTEMPT_START); the first one starts with the launcher
         self.attempt_start = STARTED if attempt == 0 else time.time()
         self.clear_notes()
-        coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
-        if c.node_rank == 0:
-            self.start_service(coordinator)
+        self.prepared = self.spares_said_ready = False
+        for w in self.workers:  # the previous attempt's
+            if w.pidfd is not None:
+                os.close(w.pidfd)
+        coordinator = self.adopt_next_service() if c.node_rank == 0 else None
+        if coordinator is None:
+            coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
+            if c.node_rank == 0:
+                self.start_service(coordinator)
         self.workers = [self.start_one(local_rank, coordinator, attempt) for local_rank in range(c.nprocs)]
         if c.node_rank == 0:
             try:
@@ -474,6 +644,10 @@ class _Launcher:
             f"started processes {first}..{last} of {c.nnodes * c.nprocs} (attempt {attempt + 1} of "
             f"{c.max_restarts + 1}, coordinator {coordinator}): {' '.join(command(c)[1:])}"
         )
+        handed = [w for w in self.workers if w.from_spare]
+        if handed:
+            said = ", ".join(f"{w.process_id} (pid {w.popen.pid})" for w in handed)
+            self.output.say(f"process(es) {said} handed to their spares, not started anew")
 
     def start_one(self, local_rank: int, coordinator: str, attempt: int) -> _Worker:
         env = environment(self.config, local_rank, coordinator, attempt)
@@ -485,42 +659,66 @@ class _Launcher:
         if self.previous_end is not None:
             env["JDDP_PREVIOUS_END"] = f"{self.previous_end:.6f}"
         env["JDDP_LEDGER_NOTE"] = os.path.join(self.note_dir, "ledger")
-        cores = None
-        if self.config.cpu_share and self.config.nprocs > 1 and hasattr(os, "sched_setaffinity"):
-            cores = cpu_shares(sorted(os.sched_getaffinity(0)), self.config.nprocs)[local_rank]
-            share_environment(env, cores)
+        if self.snapshot_dir is not None:
+            env[ENV_SNAPSHOT_DIR] = self.snapshot_dir
+        cores = self.cores(local_rank, env)
+        process_id = int(env["JDDP_PROCESS_ID"])
+        spare = self.spares.pop(local_rank, None)
+        if spare is not None:  # the same environment, with the spare's own pipe for Python's stdout
+            c = self.config
+            message = spare_lib.role({**env, ENV_STDOUT_FD: str(spare.stdout_fd)}, module=c.module, target=c.target,
+                                     args=c.target_args)  # fmt: skip
+            if spare.hand(message, process_id):
+                return _Worker(process_id, spare.popen, spare.readers, from_spare=True, pidfd=pidfd(spare.popen.pid))
+            self.draining += spare.readers
+            self.output.say(f"the spare for process {process_id} had ended: starting the process anew")
+        popen, readers, _ = self.spawn(command(self.config), env, cores, output.Prefix(f"[{process_id}] ".encode()))
+        return _Worker(process_id, popen, readers, pidfd=pidfd(popen.pid))
+
+    def cores(self, local_rank: int, env: dict[str, str]) -> list[int] | None:
+        """With ``--cpu-share``: the cores of process ``local_rank`` of this node, its threads set in ``env``."""
+        if not (self.config.cpu_share and self.config.nprocs > 1 and hasattr(os, "sched_setaffinity")):
+            return None
+        cores = cpu_shares(sorted(os.sched_getaffinity(0)), self.config.nprocs)[local_rank]
+        share_environment(env, cores)
+        return cores
+
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cores: list[int] | None, prefix: output.Prefix, pass_fds=()
+    ) -> tuple[subprocess.Popen[bytes], list[threading.Thread], int]:
+        """Starts a process (a worker or a spare) in a session of its own, its output copied to ours after
+        ``prefix``; returns it, the readers of its output and the number of its pipe for Python's stdout."""
         # Python's stdout gets a pipe of its own (jddp.initialize() moves sys.stdout there), apart from fd 1,
         # where C++ (gloo) writes: see jddp.cli.output.
         python_read, python_write = os.pipe()
         env[ENV_STDOUT_FD] = str(python_write)
         try:
             popen = subprocess.Popen(
-                command(self.config),
+                argv,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                pass_fds=(python_write,),
+                pass_fds=(python_write, *pass_fds),
             )
         finally:
             os.close(python_write)
         if cores is not None:  # before its interpreter starts threads: they inherit the mask
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(popen.pid, cores)
-        worker = _Worker(int(env["JDDP_PROCESS_ID"]), popen)
-        prefix = f"[{worker.process_id}] ".encode()
         pipes = (
             (popen.stdout, sys.stdout, True),
             (os.fdopen(python_read, "rb", buffering=0), sys.stdout, False),
             (popen.stderr, sys.stderr, False),
         )
+        readers = []
         for pipe, target, native in pipes:
             reader = threading.Thread(
                 target=self.output.pump, args=(pipe, target, prefix), kwargs={"native": native}, daemon=True
             )
             reader.start()
-            worker.readers.append(reader)
-        return worker
+            readers.append(reader)
+        return popen, readers, python_write
 
     def poll(self) -> None:
         for w in self.workers:
@@ -553,8 +751,19 @@ class _Launcher:
             self.poll()
             if all(w.code is not None for w in self.workers):
                 return True
-            time.sleep(0.05)
+            self.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
         return False
+
+    def sleep(self, seconds: float) -> None:
+        """Sleeps ``seconds``, or less: until a running process ends (its pidfd), so an exit is seen at once."""
+        fds = [w.pidfd for w in self.workers if w.code is None and w.pidfd is not None]
+        if not fds:
+            time.sleep(seconds)
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(seconds * 1000)
 
     def stop_all(self, grace: float) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds, to every process still running."""
@@ -608,11 +817,16 @@ class _Launcher:
             if silent & {w.process_id for w in self.workers if w.code is None}:
                 self.stop_silent(silent, f"process {p}")
 
-    def finish_output(self) -> None:
+    def finish_output(self, *, wait: bool = True) -> None:
+        """Ends what is left of the group and copies the rest of its output; without ``wait`` the copying goes on
+        while the launcher goes on (a restart need not wait for it), joined when the launcher ends."""
         self.signal_all(signal.SIGKILL)  # leftovers of exited processes would hold the pipes open
         for w in self.workers:
-            for reader in w.readers:
-                reader.join(timeout=5)
+            if wait:
+                for reader in w.readers:
+                    reader.join(timeout=5)
+            else:
+                self.draining += w.readers
 
     # -- signals ------------------------------------------------------------
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -648,9 +862,12 @@ class _Launcher:
             # Not `python -u`: unbuffered, print() writes a line and its end apart, and mpiexec prefixes
             # each write with the rank; jddp.initialize() makes the streams line-buffered instead.
             argv = [mpiexec, "-n", str(c.nprocs), "-prepend-rank", *(a for a in command(c) if a != "-u")]
+            env = mpi_environment(c, attempt)
+            if self.snapshot_dir is not None:
+                env[ENV_SNAPSHOT_DIR] = self.snapshot_dir
             popen = subprocess.Popen(
                 argv,
-                env=mpi_environment(c, attempt),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
@@ -764,7 +981,8 @@ class _Launcher:
                 self.linger()
             return outcome, first_failed
         finally:
-            self.stop_service()
+            # A local run's next service listens on another port: this one stops in the background.
+            self.stop_service(wait=self.config.coordinator is not None)
             self.previous_end = time.time()
 
     def report(self, attempt: int, first_failed: _Worker | None) -> None:
@@ -828,7 +1046,7 @@ class _Launcher:
             w.stopped_for_restart = w.code is None
         self.signal_all(signal.SIGKILL)
         self.wait_all(30)
-        self.finish_output()
+        self.finish_output(wait=False)
 
     def remote_failure(self) -> bool:
         """Node 0 of several: acts on the other launchers' reports of a failed attempt (``jddp.cli.reports``);
@@ -916,7 +1134,9 @@ class _Launcher:
                 if early:  # exited 0, but its peers (on other nodes) stopped waiting for it: the run failed
                     return "failed", min(early, key=lambda w: w.ended or 0.0)
                 return "ok", None
-            time.sleep(self.config.monitor_interval)
+            self.prepare_restart()
+            self.spares_ready()
+            self.sleep(self.config.monitor_interval)
 
     def exit_code(self, outcome: str, first_failed: _Worker | None) -> int:
         """The launcher's exit code after the last attempt ended with ``outcome``."""
@@ -957,6 +1177,7 @@ class _Launcher:
                 return 1
         previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
         try:
+            self.make_snapshot_dir()
             if c.transport == "mpi":
                 return self.run_mpi()
             attempt = 0
@@ -978,9 +1199,33 @@ class _Launcher:
             from jddp import goodput  # no JAX, no NumPy
 
             goodput.mark_teardown(os.path.join(self.note_dir, "ledger"))
+            self.discard_spares()
+            if self.adopt_next_service() is not None:  # started for a restart that did not come
+                self.stop_service(wait=False)
+            for thread in self.reapers + self.draining:
+                thread.join(timeout=10)
+            for w in self.workers:
+                if w.pidfd is not None:
+                    os.close(w.pidfd)
+                    w.pidfd = None
             shutil.rmtree(self.note_dir, ignore_errors=True)
+            if self.own_snapshot_dir and self.snapshot_dir is not None:
+                shutil.rmtree(self.snapshot_dir, ignore_errors=True)
             if self.reports is not None:
                 self.reports.close()
+
+    def make_snapshot_dir(self) -> None:
+        """The run's snapshot directory (``JDDP_SNAPSHOT_DIR``): the user's when set (kept), else one in memory made
+        here and removed when the launcher ends; leftovers of launchers of this host that no longer run are removed
+        first."""
+        if os.environ.get(ENV_SNAPSHOT_DIR):
+            self.snapshot_dir = os.environ[ENV_SNAPSHOT_DIR]
+            return
+        base = snapshot_base()
+        for path in sweep_snapshots(base):
+            self.output.say(f"removed {path}, the snapshot directory of a launcher that no longer runs")
+        self.snapshot_dir = tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{os.getpid()}-", dir=base)
+        self.own_snapshot_dir = True
 
 
 def early_exit(w: _Worker) -> str:

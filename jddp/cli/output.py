@@ -20,7 +20,15 @@ from typing import IO, TextIO
 
 from jddp.lines import GLOO_PIECES, RANK_PREFIX, native_line, only_gloo, segments
 
-__all__ = ["GLOO_PIECES", "RANK_PREFIX", "Output", "native_line", "only_gloo", "segments"]
+__all__ = ["GLOO_PIECES", "RANK_PREFIX", "Output", "Prefix", "native_line", "only_gloo", "segments"]
+
+
+class Prefix:
+    """What goes in front of each line of one process, settable while its pipes are read: a spare worker
+    (``jddp.cli.spare``) takes the ``[N] `` of the process it becomes when it is handed its role."""
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
 
 
 class Output:
@@ -29,8 +37,9 @@ class Output:
     def __init__(self) -> None:
         self.lock = threading.Lock()
 
-    def pump(self, pipe: IO[bytes], target: TextIO, prefix: bytes, *, native: bool = False) -> None:
-        """Copies ``pipe`` to ``target`` piece by piece, each after ``prefix``, until the pipe closes.
+    def pump(self, pipe: IO[bytes], target: TextIO, prefix: bytes | Prefix, *, native: bool = False) -> None:
+        """Copies ``pipe`` to ``target`` piece by piece, each after ``prefix`` (read for each piece when it is a
+        ``Prefix``), until the pipe closes.
 
         With ``native``, the pipe is a process's fd 1, where C++ writes: lines with gloo's chatter are dropped, also
         behind a rank's ``[N] `` (``mpiexec -prepend-rank``).
@@ -40,7 +49,7 @@ class Output:
                 continue  # a bare carriage return: every piece forwarded already ends the line it wrote
             if not piece.endswith((b"\n", b"\r")):
                 piece += b"\n"
-            self.write(target, prefix + piece)
+            self.write(target, (prefix.value if isinstance(prefix, Prefix) else prefix) + piece)
         pipe.close()
 
     def write(self, target: TextIO, data: bytes) -> None:
