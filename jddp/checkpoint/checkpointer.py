@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from jddp import exitcodes, validate
 from jddp._version import __version__
-from jddp.checkpoint import digest, handoff, lease, preemption, restore, storage
+from jddp.checkpoint import digest, handoff, lease, preemption, restore, snapshot, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
 from jddp.checkpoint.restore import DAMAGED_SUFFIX, EXTRA, LOADER, META, STATE
 from jddp.runtime import dispatch, distributed, progress, watchdog
@@ -74,6 +74,12 @@ class Checkpointer:
         (``jddp.checkpoint.lease``); another writer is refused until the
         lease's heartbeat is this old, or at once when its owner was a
         process of this host that no longer runs.
+      snapshots: keep in-memory snapshots of the state outside the process
+        (``jddp.checkpoint.snapshot``), which a restart restores first: None
+        (default) when ``$JDDP_SNAPSHOT_DIR`` is set (``jddp launch`` sets it),
+        True to require it, False never.
+      snapshot_budget: the share of the step time snapshots may take; the
+        steps between snapshots adapt to it (measured), 1 when they cost less.
 
     Raises:
       CheckpointLeaseError: if another run writes to ``directory``.
@@ -97,6 +103,8 @@ class Checkpointer:
         preemption_check_s: float = 1.0,
         read_only: bool = False,
         lease_timeout_s: float = 60.0,
+        snapshots: bool | None = None,
+        snapshot_budget: float = 0.01,
     ) -> None:
         distributed.check_joined()
         validate.check_int("save_every", save_every, optional=True)
@@ -107,6 +115,22 @@ class Checkpointer:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not (low <= value < float("inf")):
                 raise ValueError(f"`{name}` must be a finite number >= {low}, got {name}={value!r}.")
+        validate.check_bool("snapshots", snapshots, optional=True)
+        validate.check_number("snapshot_budget", snapshot_budget, unit="a share of the step time, e.g. 0.01")
+        if snapshot_budget > 1:
+            raise ValueError(
+                f"`snapshot_budget` is a share of the step time, at most 1, got snapshot_budget={snapshot_budget!r}; "
+                "e.g. 0.01 lets snapshots take 1% of it."
+            )
+        snapshot_root = snapshot.root()  # a bad $JDDP_SNAPSHOT_DIR is refused here, naming it
+        if snapshots and snapshot_root is None:
+            raise ValueError(
+                "snapshots=True needs $JDDP_SNAPSHOT_DIR, a directory in memory that outlives the processes (jddp "
+                "launch sets one; under another launcher set it to a directory in /dev/shm that the job removes at "
+                "its end), or pass snapshots=None to keep them only where it is set."
+            )
+        if read_only and snapshots:
+            raise ValueError("A read-only Checkpointer never saves, so it takes no snapshots: drop snapshots=True.")
         for name, value in (
             ("read_only", read_only),
             ("allow_config_change", allow_config_change),
@@ -157,12 +181,18 @@ class Checkpointer:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-checkpoint")
             self._writer.submit(lambda: None)  # starts its thread now, not during the first save
         self._pending: concurrent.futures.Future | None = None
+        self._snapshots: snapshot.Snapshots | None = None
+        if snapshot_root is not None and snapshots is not False and not read_only:
+            self._snapshots = snapshot.Snapshots(
+                snapshot_root, self.directory, fingerprint=self.fingerprint, budget=float(snapshot_budget)
+            )
+        self.restored_from: str | None = None  # "memory" or "disk" after a restore_or_init that restored
         # A reader never saves, so it leaves SIGTERM alone.
         self._preemption = None if read_only else preemption.Preemption(float(preemption_check_s))
         self._step: int | None = None  # host-side step, the same on every process
         self._last_saved: int | None = None
         self._unconfirmed: list[int] = []  # steps handed to Orbax and not yet known written
-        self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0}
+        self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0, "snapshots": 0, "snapshot_s": 0.0}
         self.damaged: list[tuple[int, str]] = []  # (step, reason) of each checkpoint set aside by a restore
         # A script that ends without close() (torch.save habits): its last async save would die with the
         # interpreter, and the lease stay behind. At exit, it is finished and the Checkpointer closed: among
@@ -375,16 +405,27 @@ class Checkpointer:
         if self.read_only:
             self.save(state, loader, extra=extra)  # raises: read-only
         assert self._preemption is not None
-        if not self.preempted and self._preemption.reached(step):
+        snaps = self._snapshots
+        if snaps is not None:
+            snaps.note_step(step)
+        if not self.preempted and self._preemption.reached(step, snaps.proposal() if snaps is not None else 1):
             self.save(state, loader, wait=True, extra=extra)
             self.preempted = True
             if self.exit_on_preemption:
                 raise SystemExit(exitcodes.EXIT_PREEMPTED)
             return True
-        if self.save_every is not None and step % self.save_every == 0:
+        saved = self.save_every is not None and step % self.save_every == 0
+        if saved:
             self.save(state, loader, extra=extra)
-            return True
-        return False
+        if snaps is not None and step % self._preemption.snapshot_every == 0:
+            snaps.take(
+                step,
+                restore.as_dict(state),
+                loader.get_state() if loader is not None else None,
+                extra.get_state() if extra is not None else None,
+            )
+            self.stats["snapshots"], self.stats["snapshot_s"] = snaps.taken, snaps.seconds
+        return saved
 
     def wait(self) -> None:
         """Waits until every started save is published; raises the error of a failed one."""
@@ -401,10 +442,17 @@ class Checkpointer:
 
         Closing again does nothing; a save after closing is an error.
         """
+        self._close(remove_snapshots=sys.exc_info()[0] is None)
+
+    def _close(self, *, remove_snapshots: bool) -> None:
+        """``close``; ``remove_snapshots``: the in-memory snapshots are not needed any more (the run went on to its
+        close; after an error they stay, for the restart)."""
         if self._closed:
             return
         if self._preemption is not None:
             self._preemption.close()
+        if self._snapshots is not None:
+            self._snapshots.close(remove=remove_snapshots)
         self._closing = True
         try:
             self.wait()
@@ -423,7 +471,7 @@ class Checkpointer:
     def __exit__(self, kind, *exc) -> None:
         if kind is not None and issubclass(kind, SystemExit):
             self._keep_sigterm()
-        self.close()
+        self._close(remove_snapshots=kind is None)
 
     def _keep_sigterm(self) -> None:
         """The process is exiting (75 after a preemption save, or any ``sys.exit``): closing leaves SIGTERM to
@@ -465,7 +513,8 @@ class Checkpointer:
         dispatch.DISPATCHER.drain()
         start = time.perf_counter()
         failures = []
-        restored = None
+        restored = self._restore_from_memory(state)
+        self.restored_from = "memory" if restored is not None else None
         tried: set[int] = set()
         while restored is None:
             # Read-only, the list is read afresh after a failure: the writer's retention may have removed the step.
@@ -482,6 +531,7 @@ class Checkpointer:
                 )
             if preemption.all_agree(reason is None):
                 restored = result
+                self.restored_from = "disk"
                 break
             if reason is not None and restore.ORBAX_STRUCTURE_MISMATCH in reason:  # saved before "empty_nodes"
                 raise ValueError(
@@ -536,6 +586,45 @@ class Checkpointer:
         progress.set_step(step)
         return (new_state, loader) if loader is not None else new_state
 
+    def _restore_from_memory(self, state: TrainState):
+        """The newest in-memory snapshot step that every process holds complete and that is not older than the
+        newest checkpoint on disk, restored as ``try_restore`` restores a disk step; None when there is none (or
+        none loads on every process). The steps and the outcome are agreed with collectives."""
+        snaps = self._snapshots
+        if snaps is None and jax.process_count() == 1:
+            return None
+        mine = snaps.steps()[: 2 * snapshot.KEEP] if snaps is not None else []
+        newest_disk = self.latest_step()
+        row = np.full(1 + 2 * snapshot.KEEP, -1, np.int32)
+        row[0] = -1 if newest_disk is None else newest_disk
+        row[1 : 1 + len(mine)] = mine
+        rows = row[None]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            with watchdog.waiting():
+                rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
+        common = set.intersection(*({int(s) for s in r[1:] if s >= 0} for r in rows))
+        for step in sorted(common, reverse=True):
+            if step < rows[:, 0].max():
+                break  # the disk holds a newer step
+            assert snaps is not None  # every process holds the step
+            try:
+                tree, loader_state, extra_state = snaps.load(step, restore.as_dict(state), self.fingerprint)
+                reason = None
+            except snapshot.Unusable as error:
+                reason = str(error)
+            if preemption.all_agree(reason is None):
+                snaps.drop_after(step)
+                return TrainState(**tree, opt_layout=state.opt_layout), loader_state, extra_state, step
+            warnings.warn(
+                f"The in-memory snapshot of step {step} cannot be used ({reason or 'not on another process'}); "
+                "trying an older one, then the checkpoints on disk.",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+        return None
+
 
 def _close_at_exit(ref: weakref.ref) -> None:
     """The interpreter exits with this Checkpointer still open: its started saves are written (said on stderr),
@@ -553,7 +642,7 @@ def _close_at_exit(ref: weakref.ref) -> None:
         )
     ckpt._keep_sigterm()
     try:
-        ckpt.close()
+        ckpt._close(remove_snapshots=False)  # an uncaught error may have ended the script: the restart needs them
     except Exception as error:  # at exit nobody can catch it: say it
         print(f"jddp: the Checkpointer of {str(ckpt.directory)!r} failed to close at exit: {error}", file=sys.stderr)
 

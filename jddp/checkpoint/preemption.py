@@ -89,16 +89,22 @@ class Preemption:
         self.notice = False
         self.next_check: int | None = None
         self.last: tuple[int, float] | None = None  # (step, time) of the last exchange
+        self.snapshot_every = 1  # the steps between in-memory snapshots, agreed at the exchanges
 
     def close(self) -> None:
         if self.installed:
             self.installed = False
             _uninstall_sigterm_handler()
 
-    def reached(self, step: int) -> bool:
-        """Called once per step with the same steps on every process; True on all of them at one step."""
+    def reached(self, step: int, snapshot_every: int = 1) -> bool:
+        """Called once per step with the same steps on every process; True on all of them at one step.
+
+        ``snapshot_every``: this process's proposal for the interval of in-memory snapshots
+        (``jddp.checkpoint.snapshot``); ``self.snapshot_every`` becomes the largest proposal at each exchange (alone:
+        the proposal), so that every process takes its snapshots at the same steps."""
         self.notice = self.notice or _SIGTERM.is_set() or (self.group and _jax_sync_point(step))
         if not self.group:
+            self.snapshot_every = snapshot_every
             return self.notice
         if self.next_check is not None and step < self.next_check:
             return False
@@ -111,9 +117,11 @@ class Preemption:
         from jax.experimental import multihost_utils
 
         with watchdog.waiting():
-            rows = np.asarray(multihost_utils.process_allgather(np.asarray([int(self.notice), interval], np.int32)))
-        rows = rows.reshape(jax.process_count(), 2)
+            mine = np.asarray([int(self.notice), interval, snapshot_every], np.int32)
+            rows = np.asarray(multihost_utils.process_allgather(mine))
+        rows = rows.reshape(jax.process_count(), 3)
         self.next_check = step + int(rows[0, 1])  # process 0's proposal, the same everywhere
+        self.snapshot_every = int(rows[:, 2].max())
         self.last = (step, time.monotonic())
         return bool(rows[:, 0].max())
 

@@ -1,0 +1,373 @@
+"""In-memory snapshots of the training state, kept outside the training processes: a restart after a crash
+restores from memory the newest step every process has, not the last checkpoint on disk.
+
+Where they live: ``$JDDP_SNAPSHOT_DIR``, a directory in memory (tmpfs) that outlives the processes. ``jddp launch``
+makes one per run under ``/dev/shm`` and removes it when the run ends; under another launcher (SLURM, Kubernetes)
+set it to a directory of ``/dev/shm`` that the job removes at its end. A process that crashes leaves its snapshots
+there; a host that dies takes them with it (the disk checkpoint is then the fallback).
+
+Layout, per ``Checkpointer`` (its directory's hash) and process::
+
+    <JDDP_SNAPSHOT_DIR>/<hash of the checkpoint directory>/process-<p>-of-<n>/<step>.snap
+
+Each process keeps its newest ``KEEP`` complete snapshots. A snapshot is written into ``writing.tmp`` (the pages of
+the oldest one, renamed, reused in place) and renamed to ``<step>.snap`` once complete: a kill at any instant leaves
+the complete ones intact and a ``writing.tmp`` that nobody reads. Keeping two complete ones means that processes
+whose writers are one snapshot apart still share a step.
+
+A file: 8 bytes (little-endian header length), the header (JSON: the step, the process and device counts, the
+config fingerprint, every leaf's path, shape and dtype, every local shard's index, offset and size, a CRC-32 of the
+data, the loader position and ``extra``), then the data: the process's local shards (one copy of a replicated leaf,
+each distinct shard of a split one), as bytes.
+
+The cost: at a snapshot step, the main thread dispatches one program per local device that copies the shards into
+one byte buffer (a copy no later step can donate), and hands it to a writer thread, which waits for it, takes its
+CRC-32 and writes it to the file. The snapshot interval adapts to what this costs: ``Snapshots.proposal`` is the
+number of steps between snapshots that keeps the measured time within ``budget`` of the step time; the processes
+agree on the largest proposal at their preemption exchanges (``jddp.checkpoint.preemption``), so that they all
+take snapshots at the same steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import math
+import mmap
+import os
+import shutil
+import struct
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp import envvars
+from jddp.checkpoint.errors import CheckpointWarning
+
+FORMAT = 1
+KEEP = 2  # complete snapshots kept per process
+SUFFIX = ".snap"
+WRITING = "writing.tmp"
+SPARE = "spare.tmp"  # the oldest snapshot's file, kept for the next write to reuse its pages
+MAX_INTERVAL = 10_000
+_HEADER_LENGTH = struct.Struct("<Q")
+
+
+class Unusable(Exception):
+    """A snapshot that cannot be restored here; the message says why."""
+
+
+def root() -> Path | None:
+    """``$JDDP_SNAPSHOT_DIR``, or None when unset."""
+    value = envvars.get("JDDP_SNAPSHOT_DIR")
+    return Path(value) if value else None
+
+
+def _key(directory) -> str:
+    return hashlib.sha1(str(directory).encode()).hexdigest()[:16]
+
+
+def _normal_index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's index (slices) as ``((start, stop), ...)`` per dimension."""
+    return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """``x``'s bytes, flat, as uint8 (bit-exact; a bool as 0/1)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8).ravel()
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).ravel()
+
+
+@jax.jit
+def _pack(shards: list[jax.Array]) -> jax.Array:
+    """The shards of one device, their bytes one after the other: a new buffer that no later step donates."""
+    return jnp.concatenate([_as_bytes(x) for x in shards]) if shards else jnp.zeros((0,), jnp.uint8)
+
+
+@dataclasses.dataclass
+class _Layout:
+    """Which local shards a state's snapshot holds, and where: computed once per state structure and shardings."""
+
+    leaves: list[list]  # [path, shape, dtype, key implementation or None]
+    shards: list[list]  # [leaf, index, device position, offset in its device's buffer, nbytes]
+    devices: list  # the local devices whose buffers are written, in order
+    picks: list[list[tuple[int, int]]]  # per device: (leaf, local shard position) in buffer order
+
+
+def _layout(tree) -> _Layout:
+    paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    leaves, shards, devices, picks = [], [], [], []
+    device_at: dict[Any, int] = {}
+    offsets: list[int] = []
+    for i, (path, x) in enumerate(paths_leaves):
+        impl = None
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(x))
+            data_dtype = jax.random.key_data(x).dtype
+            data_shape = tuple(x.shape) + tuple(jax.random.key_data(x).shape[x.ndim :])
+        else:
+            data_dtype, data_shape = x.dtype, tuple(x.shape)
+        leaves.append([jax.tree_util.keystr(path), list(data_shape), str(jnp.dtype(data_dtype)), impl])
+        seen = set()
+        for position, shard in enumerate(x.addressable_shards):
+            index = _normal_index(shard.index, tuple(x.shape)) + tuple((0, n) for n in data_shape[x.ndim :])
+            if index in seen:
+                continue
+            seen.add(index)
+            if shard.device not in device_at:
+                device_at[shard.device] = len(devices)
+                devices.append(shard.device)
+                picks.append([])
+                offsets.append(0)
+            d = device_at[shard.device]
+            nbytes = math.prod(b - a for a, b in index) * jnp.dtype(data_dtype).itemsize
+            shards.append([i, [list(p) for p in index], d, offsets[d], nbytes])
+            picks[d].append((i, position))
+            offsets[d] += nbytes
+    return _Layout(leaves, shards, devices, picks)
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    buffers: list[jax.Array]
+    header: dict
+
+
+class Snapshots:
+    """One process's snapshots for one ``Checkpointer``; see the module docstring."""
+
+    def __init__(self, base: Path, directory, *, fingerprint: str | None, budget: float) -> None:
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self.folder = Path(base) / _key(directory) / f"process-{self.process}-of-{self.processes}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / WRITING).unlink(missing_ok=True)  # a write a kill interrupted: never read
+        self.fingerprint = fingerprint
+        self.budget = budget
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-snapshot")
+        self._pending: concurrent.futures.Future | None = None
+        self._layouts: dict[Any, _Layout] = {}
+        self._first = True
+        self._cost_s: float | None = None  # per snapshot: main thread + writer thread + waiting for it
+        self._step_s: float | None = None  # wall time per step, between calls of `note_step`
+        self._last_call: tuple[int, float] | None = None
+        self.taken = 0
+        self.failed = 0
+        self.seconds = 0.0
+        self.closed = False
+
+    # -------------------------------------------------------------- the interval
+    def note_step(self, step: int) -> None:
+        """Called once per step: the step time the interval is measured against."""
+        now = time.perf_counter()
+        if self._last_call is not None and step > self._last_call[0]:
+            per_step = (now - self._last_call[1]) / (step - self._last_call[0])
+            self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
+        self._last_call = (step, now)
+
+    def proposal(self) -> int:
+        """The steps between snapshots that keep their measured cost within ``budget`` of the step time."""
+        if self._cost_s is None or not self._step_s:
+            return 1
+        return int(min(max(math.ceil(self._cost_s / (self.budget * self._step_s)), 1), MAX_INTERVAL))
+
+    def _measured(self, seconds: float) -> None:
+        self.seconds += seconds
+        if self._first:  # the first one compiles the copy program: not what the next ones cost
+            self._first = False
+            return
+        self._cost_s = seconds if self._cost_s is None else 0.8 * self._cost_s + 0.2 * seconds
+
+    # -------------------------------------------------------------- taking
+    def take(self, step: int, tree: dict, loader_state: Any, extra_state: Any) -> None:
+        """Starts a snapshot of ``tree`` (the state's arrays by field) at ``step``; returns once the copy is
+        dispatched. The previous snapshot's write is awaited first (one at a time)."""
+        start = time.perf_counter()
+        waited = self._join()
+        signature = (jax.tree.structure(tree), tuple(x.sharding for x in jax.tree.leaves(tree)))
+        layout = self._layouts.get(signature)
+        if layout is None:
+            layout = self._layouts[signature] = _layout(tree)
+        leaves = jax.tree.leaves(tree)
+        buffers = []
+        for picks in layout.picks:
+            parts = []
+            for i, position in picks:
+                x = leaves[i]
+                data = x.addressable_data(position) if len(x.sharding.device_set) > 1 else x
+                parts.append(jax.random.key_data(data) if jnp.issubdtype(data.dtype, jax.dtypes.prng_key) else data)
+            buffers.append(_pack(parts))
+        header = {
+            "format": FORMAT,
+            "step": step,
+            "process": self.process,
+            "processes": self.processes,
+            "devices": jax.device_count(),
+            "fingerprint": self.fingerprint,
+            "leaves": layout.leaves,
+            "shards": layout.shards,
+            "loader": loader_state,
+            "extra": extra_state,
+        }
+        main_s = time.perf_counter() - start - waited
+        self._pending = self._writer.submit(self._write, _Pending(step, buffers, header), main_s + waited)
+
+    def _join(self) -> float:
+        """Waits for the write in flight; returns the seconds waited (a failed write only loses its snapshot)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0.0
+        start = time.perf_counter()
+        try:
+            pending.result()
+        except Exception as error:  # the snapshot is lost, not the run: the disk checkpoints remain
+            if not self.failed:
+                warnings.warn(
+                    f"jddp could not write an in-memory snapshot to {self.folder} ({type(error).__name__}: {error}); "
+                    "a restart restores an older snapshot or the checkpoint on disk. Is the memory file system "
+                    "($JDDP_SNAPSHOT_DIR) full?",
+                    CheckpointWarning,
+                    stacklevel=4,
+                )
+            self.failed += 1
+        return time.perf_counter() - start
+
+    def _write(self, pending: _Pending, main_s: float) -> None:
+        cpu = time.thread_time()
+        hosts = [np.asarray(b) for b in pending.buffers]  # waits for the copies; a view, no copy, on CPU
+        crc = 0
+        for h in hosts:
+            crc = zlib.crc32(h.data, crc)
+        header = dict(pending.header, crc32=crc, sizes=[int(h.nbytes) for h in hosts], time=time.time())
+        text = json.dumps(header).encode()
+        start = _HEADER_LENGTH.size + len(text)
+        total = start + sum(h.nbytes for h in hosts)
+        target = self.folder / WRITING
+        spare = self.folder / SPARE
+        if spare.exists():
+            os.replace(spare, target)  # the oldest snapshot's pages, overwritten in place
+        fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            os.pwrite(fd, _HEADER_LENGTH.pack(len(text)) + text, 0)
+            offset = start
+            for h in hosts:
+                if h.nbytes:
+                    os.pwrite(fd, h.data.cast("B"), offset)
+                offset += h.nbytes
+        finally:
+            os.close(fd)
+        os.replace(target, self.folder / f"{pending.step}{SUFFIX}")
+        complete = self.steps()
+        for old in complete[KEEP:]:
+            os.replace(self.folder / f"{old}{SUFFIX}", spare)
+        self.taken += 1
+        self._measured(main_s + time.thread_time() - cpu)
+
+    def wait(self) -> None:
+        self._join()
+
+    # -------------------------------------------------------------- reading
+    def steps(self) -> list[int]:
+        """The steps of this process's complete snapshots, newest first."""
+        found = []
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return []
+        for name in names:
+            if name.endswith(SUFFIX) and name[: -len(SUFFIX)].isdigit():
+                found.append(int(name[: -len(SUFFIX)]))
+        return sorted(found, reverse=True)
+
+    def load(self, step: int, tree: dict, fingerprint: str | None) -> tuple[dict, Any, Any]:
+        """``(arrays by field in tree's shardings, loader position, extra state)`` of the snapshot at ``step``.
+
+        Raises:
+          Unusable: the snapshot does not fit ``tree`` (another model, config, process or device count, or
+            sharding) or its data does not match its CRC-32.
+        """
+        path = self.folder / f"{step}{SUFFIX}"
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                return self._load(mm, step, tree, fingerprint)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+            raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
+
+    def _load(self, mm, step: int, tree: dict, fingerprint: str | None) -> tuple[dict, Any, Any]:
+        (length,) = _HEADER_LENGTH.unpack_from(mm, 0)
+        header = json.loads(bytes(mm[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length]))
+        if header.get("format") != FORMAT or header.get("step") != step:
+            raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
+        here = {"processes": self.processes, "devices": jax.device_count(), "fingerprint": fingerprint}
+        for name, value in here.items():
+            if header.get(name) != value:
+                raise Unusable(f"snapshot of step {step} has {name} {header.get(name)!r}, here {value!r}")
+        layout = _layout(tree)
+        if [lf[:3] for lf in header["leaves"]] != [lf[:3] for lf in layout.leaves]:
+            raise Unusable(f"snapshot of step {step} holds another state (leaves' paths, shapes or dtypes differ)")
+        start = _HEADER_LENGTH.size + length
+        data = np.frombuffer(mm, np.uint8, count=sum(header["sizes"]), offset=start)
+        if zlib.crc32(data.data) != header["crc32"]:
+            raise Unusable(f"snapshot of step {step} is damaged (CRC-32 mismatch)")
+        device_starts = np.cumsum([0, *header["sizes"]])
+        by_leaf: dict[int, dict[tuple, np.ndarray]] = {}
+        for leaf, index, device, offset, nbytes in header["shards"]:
+            name, _, dtype, _ = header["leaves"][leaf]
+            shape = tuple(b - a for a, b in index)
+            raw = data[device_starts[device] + offset : device_starts[device] + offset + nbytes]
+            value = raw.astype(np.bool_) if dtype == "bool" else raw.view(jnp.dtype(dtype))
+            by_leaf.setdefault(leaf, {})[tuple(tuple(p) for p in index)] = value.reshape(shape)
+        leaves, treedef = jax.tree.flatten(tree)
+        out = []
+        for i, x in enumerate(leaves):
+            shards = by_leaf.get(i, {})
+            impl = header["leaves"][i][3]
+            extra_dims = tuple((0, n) for n in header["leaves"][i][1][x.ndim :])
+
+            def piece(index, x=x, shards=shards, extra_dims=extra_dims):
+                key = _normal_index(index, tuple(x.shape)) + extra_dims
+                if key not in shards:
+                    raise Unusable(f"snapshot of step {step} lacks the shard {key} of a leaf (another sharding)")
+                return np.array(shards[key])  # a copy: the file is unmapped after the restore
+
+            if impl is not None:
+                data_shape = tuple(header["leaves"][i][1])
+                sharding = jax.random.key_data(x).sharding
+                rank = x.ndim
+                raw = jax.make_array_from_callback(data_shape, sharding, lambda index, p=piece, r=rank: p(index[:r]))  # pyright: ignore[reportOptionalSubscript]
+                out.append(jax.random.wrap_key_data(raw, impl=jax.random.key_impl(x)))
+            else:
+                out.append(jax.make_array_from_callback(tuple(x.shape), x.sharding, piece))
+        return jax.tree.unflatten(treedef, out), header.get("loader"), header.get("extra")
+
+    def drop_after(self, step: int) -> None:
+        """Removes this process's snapshots newer than ``step`` (the restored one): another timeline's."""
+        for s in self.steps():
+            if s > step:
+                (self.folder / f"{s}{SUFFIX}").unlink(missing_ok=True)
+
+    # -------------------------------------------------------------- closing
+    def close(self, *, remove: bool) -> None:
+        """Waits for the write in flight; ``remove``: the snapshots are not needed any more (a run that ended)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._join()
+        self._writer.shutdown()
+        if remove:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            for parent in (self.folder.parent,):
+                try:
+                    parent.rmdir()  # the last process's removal empties it
+                except OSError:
+                    pass
