@@ -80,6 +80,8 @@ class Checkpointer:
         True to require it, False never.
       snapshot_budget: the share of the step time snapshots may take; the
         steps between snapshots adapt to it (measured), 1 when they cost less.
+      snapshot_every: a fixed number of steps between snapshots instead
+        (``snapshot_budget`` is then not used).
 
     Raises:
       CheckpointLeaseError: if another run writes to ``directory``.
@@ -105,6 +107,7 @@ class Checkpointer:
         lease_timeout_s: float = 60.0,
         snapshots: bool | None = None,
         snapshot_budget: float = 0.01,
+        snapshot_every: int | None = None,
     ) -> None:
         distributed.check_joined()
         validate.check_int("save_every", save_every, optional=True)
@@ -116,6 +119,7 @@ class Checkpointer:
             if isinstance(value, bool) or not isinstance(value, int | float) or not (low <= value < float("inf")):
                 raise ValueError(f"`{name}` must be a finite number >= {low}, got {name}={value!r}.")
         validate.check_bool("snapshots", snapshots, optional=True)
+        validate.check_int("snapshot_every", snapshot_every, optional=True)
         validate.check_number("snapshot_budget", snapshot_budget, unit="a share of the step time, e.g. 0.01")
         if snapshot_budget > 1:
             raise ValueError(
@@ -184,7 +188,11 @@ class Checkpointer:
         self._snapshots: snapshot.Snapshots | None = None
         if snapshot_root is not None and snapshots is not False and not read_only:
             self._snapshots = snapshot.Snapshots(
-                snapshot_root, self.directory, fingerprint=self.fingerprint, budget=float(snapshot_budget)
+                snapshot_root,
+                self.directory,
+                fingerprint=self.fingerprint,
+                budget=float(snapshot_budget),
+                every=snapshot_every,
             )
         self.restored_from: str | None = None  # "memory" or "disk" after a restore_or_init that restored
         # A reader never saves, so it leaves SIGTERM alone.

@@ -146,13 +146,16 @@ class _Pending:
 class Snapshots:
     """One process's snapshots for one ``Checkpointer``; see the module docstring."""
 
-    def __init__(self, base: Path, directory, *, fingerprint: str | None, budget: float) -> None:
+    def __init__(
+        self, base: Path, directory, *, fingerprint: str | None, budget: float, every: int | None = None
+    ) -> None:
         self.process, self.processes = jax.process_index(), jax.process_count()
         self.folder = Path(base) / _key(directory) / f"process-{self.process}-of-{self.processes}"
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / WRITING).unlink(missing_ok=True)  # a write a kill interrupted: never read
         self.fingerprint = fingerprint
         self.budget = budget
+        self.every = every
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-snapshot")
         self._pending: concurrent.futures.Future | None = None
         self._layouts: dict[Any, _Layout] = {}
@@ -175,7 +178,10 @@ class Snapshots:
         self._last_call = (step, now)
 
     def proposal(self) -> int:
-        """The steps between snapshots that keep their measured cost within ``budget`` of the step time."""
+        """The steps between snapshots that keep their measured cost within ``budget`` of the step time (or the
+        fixed ``every``)."""
+        if self.every is not None:
+            return self.every
         if self._cost_s is None or not self._step_s:
             return 1
         return int(min(max(math.ceil(self._cost_s / (self.budget * self._step_s)), 1), MAX_INTERVAL))

@@ -71,6 +71,7 @@ ckpt = jddp.Checkpointer(
     max_to_keep=2,
     config={"lr": 1e-2},
     preemption_check_s=float(os.environ.get("PREEMPTION_CHECK_S", "1")),
+    snapshot_every=1,  # deterministic: every step (the default is sized by its measured cost)
 )
 state, loader = ckpt.restore_or_init(state, loader)
 step = int(state.step)
@@ -79,7 +80,7 @@ if os.environ.get("JDDP_LEDGER_NOTE"):
     with open(os.path.join(out, f"launch-folder-{jax.process_index()}"), "w") as f:
         f.write(os.path.dirname(os.environ["JDDP_LEDGER_NOTE"]))
 if jax.process_index() == 0:
-    print(f"RESUMED at step {step} attempt {attempt}", flush=True)
+    print(f"RESUMED at step {step} attempt {attempt} from {ckpt.restored_from}", flush=True)
 log = open(os.path.join(out, "consumed.jsonl"), "a") if jax.process_index() == 0 else None
 while step < steps:
     for batch in loader:
