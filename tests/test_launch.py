@@ -154,21 +154,6 @@ def test_the_readme_main_command_runs_and_prints_no_gloo_text(tmp_path):
     assert (tmp_path / "runs" / "mnist1d_cnn" / "loss.png").is_file()
 
 
-def test_sigkilled_worker_restarts_the_group_and_the_run_completes():
-    done = multiprocess.launch(
-        "-n", "2", "--max-restarts", "1", "--kill-grace", "1", "--peer-timeout", "10", GROUP, "die", "1", "12", "1"
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    # A restart follows: the launcher stops the survivor at once rather than wait the peer timeout for it.
-    assert "process 1 killed by SIGKILL; a restart follows: stopping the others" in done.stderr
-    assert "[0] jddp: process 0 of 2 lost process(es)" not in done.stderr
-    assert "process 0 (pid" in done.stderr and "stopped by the launcher for the restart (SIGKILL)" in done.stderr
-    assert "first failure: process 1, killed by SIGKILL" in done.stderr
-    assert "restarting the group (1 of 1)" in done.stderr
-    assert sorted(lines_with(done.stdout, "DONE")) == ["[0] DONE 0 attempt 1", "[1] DONE 1 attempt 1"]
-    assert len(lines_with(done.stdout, "KILLING")) == 1
-
-
 def test_sigkilled_worker_without_restarts_fails_with_a_summary():
     done = multiprocess.launch("-n", "2", "--kill-grace", "1", "--peer-timeout", "10", GROUP, "die", "1", "12", "1")
     assert done.returncode == 128 + signal.SIGKILL, done.stdout + done.stderr

@@ -1,0 +1,155 @@
+"""``jddp launch``'s spare workers (``jddp.cli.spare``) and the run's snapshot directory (``JDDP_SNAPSHOT_DIR``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jddp.cli import launch as launch_lib
+from jddp.cli import spare as spare_lib
+from tests import multiprocess
+
+pytestmark = pytest.mark.multiprocess
+
+RESTART = str(multiprocess.WORKERS / "spare_restart.py")
+# What the handed script reports: run as `python -u script.py` / `python -u -m module` would run it?
+REPORT = """\
+import json, os, sys
+from jddp.runtime import jax_internals
+print("REPORT " + json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "env": dict(os.environ),
+    "backend_started": jax_internals.backend_started(), "jax_imported": "jax" in sys.modules}))
+print("ON STDERR", file=sys.stderr)
+sys.exit(int(os.environ["EXIT_WITH"]))
+"""
+
+
+def reports(text: str, prefix: str) -> list[dict]:
+    marker = prefix + "REPORT "
+    return [json.loads(line[len(marker) :]) for line in text.splitlines() if line.startswith(marker)]
+
+
+def test_a_spare_handed_a_role_runs_the_target_as_python_would(tmp_path, monkeypatch, capfd):
+    """Two spares, one handed a script (through a symbolic link), one a module: each runs with the role's environment
+    alone, its argv, the ``sys.path[0]`` Python gives, as ``__main__``, its lines prefixed with its process index,
+    its exit code its own; the spare's imports did not start JAX's backend (``jddp.initialize`` would fail)."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "report.py").write_text(REPORT)
+    (tmp_path / "link.py").symlink_to(tmp_path / "scripts" / "report.py")
+    (tmp_path / "report_module.py").write_text(REPORT)
+    monkeypatch.chdir(tmp_path)  # a spare's working directory is the launcher's: sys.path[0] under -m
+    monkeypatch.setenv("PYTHONPATH", str(multiprocess.ROOT))
+    config = launch_lib.LaunchConfig(target="link.py", nprocs=4, max_restarts=1)
+    launcher = launch_lib._Launcher(config)
+    monkeypatch.setenv("GONE_BEFORE_THE_ROLE", "1")  # the spare's start had it, the role does not: not seen
+    spares = {rank: launcher.start_spare(rank) for rank in (1, 2)}
+    monkeypatch.delenv("GONE_BEFORE_THE_ROLE")
+    unused = launcher.start_spare(3)  # its launcher gone (the socket closed): it ends, running nothing
+    unused.channel.close()
+    roles = {1: (False, "link.py", ["a b", "--c"]), 2: (True, "report_module", ["x"])}
+    envs = {}
+    for rank, spare in spares.items():
+        env = launch_lib.environment(config, rank, "127.0.0.1:1", 1) | {"EXIT_WITH": str(rank + 4)}
+        envs[rank] = env | {launch_lib.ENV_STDOUT_FD: str(spare.stdout_fd)}
+        module, target, args = roles[rank]
+        assert spare.hand(spare_lib.role(envs[rank], module=module, target=target, args=args), rank + 10)
+    codes = {rank: spare.popen.wait(120) for rank, spare in spares.items()}
+    codes[3] = unused.popen.wait(120)
+    for spare in [*spares.values(), unused]:
+        for reader in spare.readers:
+            reader.join(10)
+    out, err = capfd.readouterr()
+    assert codes == {1: 5, 2: 6, 3: 0}, out + err
+    (script,) = reports(out, "[11] ")
+    (module,) = reports(out, "[12] ")
+    assert script["name"] == module["name"] == "__main__"
+    assert script["argv"] == ["link.py", "a b", "--c"]
+    assert script["path0"] == str(tmp_path / "scripts")  # the script's directory, the link resolved
+    assert module["argv"] == [str(tmp_path / "report_module.py"), "x"] and module["path0"] == str(tmp_path)
+    assert script["env"] == envs[1] and module["env"] == envs[2]
+    assert script["jax_imported"] and not script["backend_started"] and not module["backend_started"]
+    assert "[11] ON STDERR" in err and "[12] ON STDERR" in err
+    assert not [line for line in out.splitlines() if line.startswith("[spare")], out
+
+
+def test_a_restart_hands_the_roles_to_the_spares_and_a_dead_spare_is_replaced_by_a_new_process():
+    """Attempt 1 runs in the spares; on attempt 1 a spare is killed, and attempt 2 starts that process anew. The
+    snapshot directory is the same on every attempt (a file written on the first is still there), and gone after."""
+    done = multiprocess.launch("-n", "2", "--max-restarts", "2", "--peer-timeout", "10", RESTART, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = {}
+    for line in done.stdout.splitlines():
+        if " ATTEMPT " in f" {line[4:]}":
+            _, attempt, _, process, _, spare, _, directory, _, kept = line[4:].split()
+            assert line.startswith(f"[{process}] "), line
+            seen[int(attempt), int(process)] = (spare == "True", directory, kept == "True")
+    assert sorted(seen) == [(a, p) for a in range(3) for p in range(2)], done.stdout
+    assert [seen[0, p][0] for p in range(2)] == [False, False]
+    assert [seen[1, p][0] for p in range(2)] == [True, True], done.stdout
+    assert sorted(seen[2, p][0] for p in range(2)) == [False, True], done.stdout  # one spare was killed
+    # A restart follows: the launcher stops the survivor at once rather than wait the peer timeout for it (this test
+    # took the place of test_launch's test_sigkilled_worker_restarts_the_group_and_the_run_completes).
+    assert "process 1 killed by SIGKILL; a restart follows: stopping the others" in done.stderr
+    assert "lost process(es)" not in done.stderr
+    assert "stopped by the launcher for the restart (SIGKILL)" in done.stderr
+    assert "first failure: process 1, killed by SIGKILL" in done.stderr
+    assert "restarting the group (1 of 2)" in done.stderr and "restarting the group (2 of 2)" in done.stderr
+    assert "handed to their spares, not started anew" in done.stderr
+    assert "had ended: starting the process anew" in done.stderr
+    directories = {directory for _, directory, _ in seen.values()}
+    assert len(directories) == 1, seen
+    (directory,) = directories
+    assert Path(directory).name.startswith(launch_lib.SNAPSHOT_PREFIX)
+    assert all(kept for (attempt, _), (_, _, kept) in seen.items() if attempt > 0)
+    assert not os.path.exists(directory)
+    assert sorted(line for line in done.stdout.splitlines() if "DONE" in line) == ["[0] DONE 0", "[1] DONE 1"]
+
+
+SLEEPER = """\
+import os, sys, time
+print("SNAPSHOT", os.environ.get("JDDP_SNAPSHOT_DIR"), os.getpid(), flush=True)
+if sys.argv[1:] == ["sleep"]:
+    time.sleep(120)
+"""
+
+
+def test_the_snapshot_directory_of_a_killed_launcher_is_removed_by_the_next_and_a_user_s_is_kept(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "jddp.launch", str(script), "sleep"],
+        env=multiprocess.environment(),
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=multiprocess.ROOT,
+    )
+    assert killed.stdout is not None
+    _, _, directory, worker = killed.stdout.readline().split()
+    killed.kill()  # SIGKILL: no finally
+    killed.wait()
+    killed.stdout.close()
+    os.kill(int(worker), signal.SIGKILL)  # in a session of its own, it outlives its launcher
+    assert os.path.isdir(directory) and Path(directory).name.startswith(f"jddp-snapshots-{killed.pid}-")
+    base = os.path.dirname(directory)
+    running = Path(base) / f"{launch_lib.SNAPSHOT_PREFIX}{os.getpid()}-running"  # a launcher that still runs
+    running.mkdir()
+    try:
+        done = multiprocess.launch(str(script))
+        assert done.returncode == 0, done.stderr
+        _, own, _ = next(line for line in done.stdout.splitlines() if "SNAPSHOT" in line)[4:].split()
+        assert own != directory and not os.path.exists(own)  # its own, removed at its end
+        assert not os.path.exists(directory), "the killed launcher's directory was not removed"
+        assert f"removed {directory}, the snapshot directory of a launcher that no longer runs" in done.stderr
+        assert running.is_dir()
+    finally:
+        running.rmdir()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    done = multiprocess.launch(str(script), env={"JDDP_SNAPSHOT_DIR": str(mine)})
+    assert done.returncode == 0 and f"[0] SNAPSHOT {mine} " in done.stdout, done.stdout + done.stderr
+    assert mine.is_dir()  # the user's own: never removed by the launcher
