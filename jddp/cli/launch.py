@@ -1168,6 +1168,11 @@ class _Launcher:
 
     def run(self) -> int:
         c = self.config
+        try:
+            snapshot_dir = envvars.get(ENV_SNAPSHOT_DIR)  # the user's own, if set
+        except ValueError as error:
+            self.output.say(str(error))
+            return 1
         if c.nnodes > 1 and c.node_rank == 0:
             assert c.coordinator is not None  # --nnodes > 1 requires it
             try:
@@ -1177,7 +1182,7 @@ class _Launcher:
                 return 1
         previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
         try:
-            self.make_snapshot_dir()
+            self.make_snapshot_dir(snapshot_dir)
             if c.transport == "mpi":
                 return self.run_mpi()
             attempt = 0
@@ -1214,12 +1219,12 @@ class _Launcher:
             if self.reports is not None:
                 self.reports.close()
 
-    def make_snapshot_dir(self) -> None:
+    def make_snapshot_dir(self, user_dir: str | None) -> None:
         """The run's snapshot directory (``JDDP_SNAPSHOT_DIR``): the user's when set (kept), else one in memory made
         here and removed when the launcher ends; leftovers of launchers of this host that no longer run are removed
         first."""
-        if os.environ.get(ENV_SNAPSHOT_DIR):
-            self.snapshot_dir = os.environ[ENV_SNAPSHOT_DIR]
+        if user_dir is not None:
+            self.snapshot_dir = user_dir
             return
         base = snapshot_base()
         for path in sweep_snapshots(base):
