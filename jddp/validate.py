@@ -28,6 +28,32 @@ def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False
 NOT_NUMERIC_KINDS = "OUSVMm"
 
 
+def goes_to_device(dtype: Any) -> bool:
+    """Whether arrays of ``dtype`` can go to a device: bools and numbers, with the ml_dtypes numbers JAX knows
+    (bfloat16, the float8 types, int4), which NumPy files under raw records (kind ``V``) with the things that
+    cannot.
+
+    >>> import ml_dtypes
+    >>> goes_to_device(ml_dtypes.bfloat16), goes_to_device("V8"), goes_to_device(np.float32), goes_to_device("U3")
+    (True, False, True, False)
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in NOT_NUMERIC_KINDS:
+        return True
+    return dtype.kind == "V" and dtype.type.__module__ == "ml_dtypes" and bits(dtype) is not None
+
+
+def bits(dtype: Any) -> int | None:
+    """The bits of one value of ``dtype`` as JAX counts them (4 for int4, whose NumPy items take a byte each), or
+    None for a type JAX does not know."""
+    import jax
+
+    try:
+        return int(jax.dtypes.itemsize_bits(np.dtype(dtype)))
+    except (ValueError, TypeError):
+        return None
+
+
 def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
     """Raises ``TypeError`` unless ``value`` is True or False (or None if ``optional``): the strings "False" and
     "no", 0 and 1 are refused, not read as truth values.

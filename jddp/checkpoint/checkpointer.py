@@ -612,10 +612,7 @@ class Checkpointer:
 
             with watchdog.waiting():
                 rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
-        common = set.intersection(*({int(s) for s in r[1:] if s >= 0} for r in rows))
-        for step in sorted(common, reverse=True):
-            if step < rows[:, 0].max():
-                break  # the disk holds a newer step
+        for step in snapshot.choose(rows):
             assert snaps is not None  # every process holds the step
             try:
                 tree, loader_state, extra_state = snaps.load(step, restore.as_dict(state), self.fingerprint)

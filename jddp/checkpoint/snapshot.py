@@ -35,7 +35,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import mmap
 import os
 import shutil
 import struct
@@ -73,6 +72,18 @@ def root() -> Path | None:
 
 def _key(directory) -> str:
     return hashlib.sha1(str(directory).encode()).hexdigest()[:16]
+
+
+def choose(rows: np.ndarray) -> list[int]:
+    """The snapshot steps a restore tries, newest first: those every process holds complete, not older than the
+    newest checkpoint on disk.
+
+    Args:
+      rows: one row per process: its newest disk step (-1 for none), then its complete snapshot steps, -1 padded.
+    """
+    held = [{int(s) for s in row[1:] if s >= 0} for row in rows]
+    newest_disk = max(int(row[0]) for row in rows)
+    return sorted((s for s in set.intersection(*held) if s >= newest_disk), reverse=True)
 
 
 def _normal_index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -304,14 +315,13 @@ class Snapshots:
         """
         path = self.folder / f"{step}{SUFFIX}"
         try:
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return self._load(mm, step, tree, fingerprint)
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+            return self._load(np.fromfile(path, np.uint8), step, tree, fingerprint)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
 
-    def _load(self, mm, step: int, tree: dict, fingerprint: str | None) -> tuple[dict, Any, Any]:
-        (length,) = _HEADER_LENGTH.unpack_from(mm, 0)
-        header = json.loads(bytes(mm[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length]))
+    def _load(self, file: np.ndarray, step: int, tree: dict, fingerprint: str | None) -> tuple[dict, Any, Any]:
+        (length,) = _HEADER_LENGTH.unpack_from(file, 0)
+        header = json.loads(file[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length].tobytes())
         if header.get("format") != FORMAT or header.get("step") != step:
             raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
         here = {"processes": self.processes, "devices": jax.device_count(), "fingerprint": fingerprint}
@@ -322,7 +332,9 @@ class Snapshots:
         if [lf[:3] for lf in header["leaves"]] != [lf[:3] for lf in layout.leaves]:
             raise Unusable(f"snapshot of step {step} holds another state (leaves' paths, shapes or dtypes differ)")
         start = _HEADER_LENGTH.size + length
-        data = np.frombuffer(mm, np.uint8, count=sum(header["sizes"]), offset=start)
+        data = file[start : start + sum(header["sizes"])]
+        if data.size != sum(header["sizes"]):
+            raise Unusable(f"snapshot of step {step} is cut short ({file.size} bytes)")
         if zlib.crc32(data.data) != header["crc32"]:
             raise Unusable(f"snapshot of step {step} is damaged (CRC-32 mismatch)")
         device_starts = np.cumsum([0, *header["sizes"]])
@@ -344,7 +356,7 @@ class Snapshots:
                 key = _normal_index(index, tuple(x.shape)) + extra_dims
                 if key not in shards:
                     raise Unusable(f"snapshot of step {step} lacks the shard {key} of a leaf (another sharding)")
-                return np.array(shards[key])  # a copy: the file is unmapped after the restore
+                return shards[key]
 
             if impl is not None:
                 data_shape = tuple(header["leaves"][i][1])

@@ -159,11 +159,16 @@ _NARROW = {
 def _canonical(name: str, array: np.ndarray, what: str = "the source") -> np.ndarray:
     """``array`` in a dtype the devices take (64-bit narrowed unless x64 is on); strings and objects refused."""
     dtype = array.dtype
-    if dtype.kind in validate.NOT_NUMERIC_KINDS:
+    if not validate.goes_to_device(dtype):
         raise TypeError(
             f"DataLoader field {name!r} of {what} has dtype {dtype} ({_KINDS[dtype.kind]}): only numbers and "
             "bools can go to the devices. Encode it as numbers (e.g. integer ids), drop it from the source, or "
             "turn it into numbers in `transform`."
+        )
+    if (validate.bits(dtype) or 8) % 8:
+        raise TypeError(
+            f"DataLoader field {name!r} of {what} has dtype {dtype}, of {validate.bits(dtype)} bits a value: the "
+            "loader moves whole bytes. Store it as int8/uint8 (or a float8 type) and cast it in the step."
         )
     narrow = _NARROW.get(dtype)
     if narrow is None or jax.config.read("jax_enable_x64"):

@@ -148,7 +148,7 @@ def check_batch(dp, batch, leaves, what: str = "batch") -> None:
         )
     for path, x in jax.tree.leaves_with_path(batch):
         dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
-        if dtype.kind in validate.NOT_NUMERIC_KINDS:
+        if not validate.goes_to_device(dtype):
             raise TypeError(
                 f"{what}{jax.tree_util.keystr(path)} has dtype {dtype}: only numbers and bools can go to the "
                 "devices. Encode it as numbers (e.g. integer ids) or keep it out of the batch."
@@ -185,7 +185,7 @@ def check_mask(batch, size: int, *, every_value: bool, what: str = "batch") -> N
             "[B], or name a per-token mask otherwise (e.g. 'token_mask') and return a jddp.Weighted loss."
         )
     dtype = np.dtype(mask.dtype if hasattr(mask, "dtype") else np.asarray(mask).dtype)
-    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_) or np.issubdtype(dtype, np.complexfloating):
+    if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_) or jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(f"`{what}`'s mask must be a real or bool array of 0/1, got dtype {dtype}.")
     if isinstance(mask, jax.Array) and not every_value:
         return
@@ -271,7 +271,7 @@ def host_copy(tree, what: str):
 def check_trainable(params) -> None:
     """Every leaf of ``params`` is floating point (a gradient of an integer leaf does not exist)."""
     for path, x in jax.tree.leaves_with_path(params):
-        if not np.issubdtype(x.dtype, np.inexact):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):  # bfloat16 and float8 too (NumPy files them as kind "V")
             raise TypeError(
                 f"params{jax.tree_util.keystr(path)} has dtype {x.dtype}, but parameters are trained by gradients, "
                 "which need floating point. Cast it (e.g. `.astype(np.float32)`), or move integer state "

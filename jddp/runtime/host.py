@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from jddp import validate
 from jddp.runtime import distributed, jax_internals, progress, watchdog
 
 MAX_BYTES = 16 << 20
@@ -83,7 +84,7 @@ def host_all_reduce(value: Any, op: Literal["sum", "mean", "max", "min"] = "sum"
     if op not in OPS:
         raise ValueError(f"host_all_reduce: op={op!r} must be one of {OPS}.")
     array = np.asarray(value)
-    if array.dtype.kind not in "biuf":
+    if array.dtype.kind not in "biuf" and not (array.dtype.kind == "V" and validate.goes_to_device(array.dtype)):
         raise ValueError(
             f"host_all_reduce: the value must be a number or a numeric NumPy array, got {type(value).__name__} "
             f"of dtype {array.dtype}; use host_all_gather for other values."
@@ -98,7 +99,7 @@ def host_all_reduce(value: Any, op: Literal["sum", "mean", "max", "min"] = "sum"
         result = stacked.sum(axis=0)
     elif op == "mean":
         result = stacked.sum(axis=0, dtype=np.result_type(stacked.dtype, np.float64)) / len(arrays)
-        if stacked.dtype.kind == "f":
+        if stacked.dtype.kind == "f" or stacked.dtype.name.startswith(("bfloat", "float")):  # bfloat16, float8
             result = result.astype(stacked.dtype)
     elif op == "max":
         result = stacked.max(axis=0)

@@ -53,7 +53,9 @@ def layout_of(fields: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> tuple[t
             raise ValueError(f"Field {name!r} has dtype {dtype}; only numeric and bool arrays can be packed.")
         offset = -(-offset // dtype.itemsize) * dtype.itemsize
         size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        layout.append(Field(name, dtype.str, tuple(int(d) for d in shape), offset, offset + size))
+        # ml_dtypes' types (bfloat16, float8): their ``str`` ("<V2", "<f1") loses them, their name does not
+        name_of = dtype.name if dtype.type.__module__ == "ml_dtypes" else dtype.str
+        layout.append(Field(name, name_of, tuple(int(d) for d in shape), offset, offset + size))
         offset += size
         align = max(align, dtype.itemsize)
     return tuple(layout), max(-(-offset // align) * align, 1)
