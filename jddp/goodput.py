@@ -94,7 +94,10 @@ SLOTS = (
     "closed",
     "teardown_end",
     "first_step_end",
+    "restored_from",
 )
+# Where an attempt's state came from (the "restored_from" slot): jddp.Checkpointer.restored_from.
+RESTORED_FROM = ("none", "disk", "memory")
 # An attempt's account: its parts add up to its span (module docstring); the teardown comes after the span.
 PARTS = ("startup_s", *TIMERS, "other_s", "recomputed_s", "lost_s", "downtime_s")
 TEARDOWN = "teardown_s"
@@ -185,8 +188,11 @@ def _note_run(directory: Path, run: str) -> None:
 class Ledger:
     """This attempt's ledger (process 0 of a ``fit`` with a ``log_dir``); see the module docstring."""
 
-    def __init__(self, directory: Path, first_step: int, *, fit_start: float | None = None):
-        """``directory``: the run's (``run_dir``); ``fit_start``: when ``fit`` began (default now)."""
+    def __init__(
+        self, directory: Path, first_step: int, *, fit_start: float | None = None, restored_from: str | None = None
+    ):
+        """``directory``: the run's (``run_dir``); ``fit_start``: when ``fit`` began (default now);
+        ``restored_from``: ``"disk"``, ``"memory"`` (``jddp.Checkpointer.restored_from``) or None."""
         import numpy as np
 
         directory = Path(directory)
@@ -204,6 +210,7 @@ class Ledger:
         values["attempt_start"], values["fit_start"], values["last_update"] = min(start, fit_start), fit_start, now
         values["first_step"] = values["last_step"] = float(first_step)
         values["previous_end"] = math.nan if previous_end is None else previous_end
+        values["restored_from"] = float(RESTORED_FROM.index(restored_from or "none"))
         tmp = self.path.with_name(self.path.name + ".tmp")
         np.array([values[k] for k in SLOTS], np.float64).tofile(tmp)
         os.replace(tmp, self.path)
@@ -254,6 +261,8 @@ def read(path: Path) -> dict[str, float]:
     import numpy as np
 
     values = np.fromfile(path, dtype=np.float64)
+    if values.size == len(SLOTS) - 1:  # written before the "restored_from" slot
+        values = np.append(values, 0.0)
     if values.size != len(SLOTS):
         raise ValueError(f"{path} is not a goodput ledger of this jddp version ({values.size} slots).")
     return dict(zip(SLOTS, values.tolist(), strict=True))
@@ -360,6 +369,7 @@ def account(
         "first_step": ledger["first_step"],
         "last_step": ledger["last_step"],
         "finished": float(finished),
+        "restored_from": ledger.get("restored_from", 0.0),
     }
 
 
@@ -526,9 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     total = Total.of(records, run)
     for r in records:
         status = "finished" if r.get("finished") else "stopped"
+        source = RESTORED_FROM[int(r.get("restored_from", 0))]
         print(
             f"attempt {int(r['attempt'])}: steps {int(r['first_step'])}..{int(r['last_step'])} ({status}), "
             f"{r['end'] - r['start']:.1f} s, recomputed {int(r.get('recomputed_steps', 0))} steps"
+            + ("" if source == "none" else f", restored from {source}")
         )
     print(total.line())
     print(total.table())

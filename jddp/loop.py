@@ -350,7 +350,12 @@ class _Run:
         self.run_id, self.run_why = goodput.choose_run(log_dir, resumed)
         logs.check_other_runs(log_dir, self.run_id, self.other_runs)
         self.means.run = self.run_id
-        self.ledger = goodput.Ledger(goodput.run_dir(log_dir, self.run_id), first, fit_start=fit_start)
+        self.ledger = goodput.Ledger(
+            goodput.run_dir(log_dir, self.run_id),
+            first,
+            fit_start=fit_start,
+            restored_from=self.ckpt.restored_from if self.ckpt is not None else None,
+        )
 
     def open_outputs(self, first: int, log_dir: Path | None, config) -> None:
         """Process 0: the log files (cut back to step ``first``), config.yaml files, the progress bar."""
