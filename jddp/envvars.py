@@ -104,6 +104,13 @@ VARIABLES: dict[str, Variable] = _declare(
         "a directory in memory (tmpfs, e.g. /dev/shm/...) that outlives the processes, where each keeps snapshots of "
         "the training state to restart from; jddp launch sets one per run",
     ),
+    Variable(
+        "JDDP_SNAPSHOTS",
+        "bool",
+        True,
+        "in-memory snapshots where JDDP_SNAPSHOT_DIR is set (the default of Checkpointer(snapshots=None)); 0 turns "
+        "them off",
+    ),
     # set by jddp launch for each process: for the script to read
     Variable("JDDP_LOCAL_RANK", "int", None, "this process's index on its node (jddp launch)", internal=True),
     Variable("JDDP_RESTART_COUNT", "int", 0, "the attempt: 0 first, then 1 per restart (jddp launch)", internal=True),

@@ -340,6 +340,12 @@ class _Run:
             f"fit: {self.steps_run} steps to step {self.step} in {summary['wall_s']:.1f} s, "
             f"{summary['examples_per_s']:.0f} examples/s; "
             + ", ".join(f"{k[:-2].replace('_', ' ')} {summary[k]:.2f} s" for k in TIMES)
+            + (
+                f"; {summary['snapshots']:.0f} in-memory snapshots, every {summary['snapshot_every']:.0f} step(s) at "
+                "the end"
+                if "snapshots" in summary
+                else ""
+            )
         )
         return FitResult(state, self.history, self.final_eval, summary)
 
@@ -518,4 +524,12 @@ class _Run:
             **t,
             # process 0 with a log_dir: the run's goodput over all its attempts (jddp.goodput)
             **({"goodput": self.goodput.goodput, "run_wall_s": self.goodput.wall_s} if self.goodput else {}),
+            **self.snapshot_summary(),
         }
+
+    def snapshot_summary(self) -> dict[str, float]:
+        """The in-memory snapshots taken (``jddp.checkpoint.snapshot``) and their interval at the end, if any."""
+        every = self.ckpt.snapshot_every if self.ckpt is not None else None
+        if self.ckpt is None or every is None:
+            return {}
+        return {"snapshots": float(self.ckpt.stats["snapshots"]), "snapshot_every": float(every)}

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jddp import exitcodes, validate
+from jddp import envvars, exitcodes, validate
 from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, lease, preemption, restore, snapshot, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
@@ -76,8 +76,8 @@ class Checkpointer:
         process of this host that no longer runs.
       snapshots: keep in-memory snapshots of the state outside the process
         (``jddp.checkpoint.snapshot``), which a restart restores first: None
-        (default) when ``$JDDP_SNAPSHOT_DIR`` is set (``jddp launch`` sets it),
-        True to require it, False never.
+        (default) when ``$JDDP_SNAPSHOT_DIR`` is set (``jddp launch`` sets it)
+        and ``$JDDP_SNAPSHOTS`` is not 0, True to require it, False never.
       snapshot_budget: the share of the step time snapshots may take; the
         steps between snapshots adapt to it (measured), 1 when they cost less.
       snapshot_every: a fixed number of steps between snapshots instead
@@ -186,7 +186,8 @@ class Checkpointer:
             self._writer.submit(lambda: None)  # starts its thread now, not during the first save
         self._pending: concurrent.futures.Future | None = None
         self._snapshots: snapshot.Snapshots | None = None
-        if snapshot_root is not None and snapshots is not False and not read_only:
+        wanted = snapshots if snapshots is not None else envvars.get("JDDP_SNAPSHOTS")
+        if snapshot_root is not None and wanted and not read_only:
             self._snapshots = snapshot.Snapshots(
                 snapshot_root,
                 self.directory,
@@ -247,6 +248,13 @@ class Checkpointer:
                         raise
                     time.sleep(0.05)
         return sorted(self._manager.all_steps())
+
+    @property
+    def snapshot_every(self) -> int | None:
+        """The steps between in-memory snapshots now, as the processes agreed them (None: no snapshots)."""
+        if self._snapshots is None or self._preemption is None:
+            return None
+        return self._preemption.snapshot_every
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()

@@ -320,7 +320,7 @@ class Snapshots:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
 
     def _load(self, file: np.ndarray, step: int, tree: dict, fingerprint: str | None) -> tuple[dict, Any, Any]:
-        (length,) = _HEADER_LENGTH.unpack_from(file, 0)
+        (length,) = _HEADER_LENGTH.unpack_from(file.data, 0)
         header = json.loads(file[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length].tobytes())
         if header.get("format") != FORMAT or header.get("step") != step:
             raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
