@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -53,6 +54,9 @@ def test_a_spare_handed_a_role_runs_the_target_as_python_would(tmp_path, monkeyp
     unused.channel.close()
     roles = {1: (False, "link.py", ["a b", "--c"]), 2: (True, "report_module", ["x"])}
     envs = {}
+    # Spare 1 gets its role after it said it is ready (its message unread: the launcher's socket closes with data
+    # in it), spare 2 while it is still importing.
+    assert select.select([spares[1].channel], [], [], 120)[0]
     for rank, spare in spares.items():
         env = launch_lib.environment(config, rank, "127.0.0.1:1", 1) | {"EXIT_WITH": str(rank + 4)}
         envs[rank] = env | {launch_lib.ENV_STDOUT_FD: str(spare.stdout_fd)}

@@ -72,8 +72,9 @@ HAND_TIMEOUT_S = 5.0  # how long the launcher waits to write a role into a spare
 
 
 def role(env: dict[str, str], *, module: bool, target: str, args: tuple[str, ...] | list[str]) -> bytes:
-    """The message that makes a spare process ``env["JDDP_PROCESS_ID"]``: its environment and its command."""
-    return json.dumps({"env": env, "module": module, "target": target, "args": list(args)}).encode()
+    """The message that makes a spare process ``env["JDDP_PROCESS_ID"]``: its environment and its command, one line
+    of JSON."""
+    return json.dumps({"env": env, "module": module, "target": target, "args": list(args)}).encode() + b"\n"
 
 
 @dataclasses.dataclass
@@ -138,11 +139,21 @@ def prepare(modules: tuple[str, ...] = HEAVY_MODULES) -> list[str]:
 
 
 def receive(channel: socket.socket) -> dict | None:
-    """Blocks until the launcher hands the role; None when the launcher closed the socket without one."""
-    chunks = []
-    while chunk := channel.recv(1 << 16):
-        chunks.append(chunk)
-    return json.loads(b"".join(chunks)) if chunks else None
+    """Blocks until the launcher hands the role (one line); None when the launcher closed the socket without one.
+
+    Read to its end of line, never to the socket's end: a launcher that closes its end with the spare's ``READY``
+    unread resets the connection (Linux, ``AF_UNIX``), and a read past the role would see that reset.
+    """
+    data = b""
+    while not data.endswith(b"\n"):
+        try:
+            chunk = channel.recv(1 << 16)
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return None  # the launcher is gone, or ended this spare's wait
+        data += chunk
+    return json.loads(data)
 
 
 def become(given: dict) -> None:
