@@ -97,7 +97,7 @@ SLOTS = (
     "restored_from",
 )
 # Where an attempt's state came from (the "restored_from" slot): jddp.Checkpointer.restored_from.
-RESTORED_FROM = ("none", "disk", "memory")
+RESTORED_FROM = ("none", "disk", "memory", "peer")
 # An attempt's account: its parts add up to its span (module docstring); the teardown comes after the span.
 PARTS = ("startup_s", *TIMERS, "other_s", "recomputed_s", "lost_s", "downtime_s")
 TEARDOWN = "teardown_s"
@@ -192,7 +192,7 @@ class Ledger:
         self, directory: Path, first_step: int, *, fit_start: float | None = None, restored_from: str | None = None
     ):
         """``directory``: the run's (``run_dir``); ``fit_start``: when ``fit`` began (default now);
-        ``restored_from``: ``"disk"``, ``"memory"`` (``jddp.Checkpointer.restored_from``) or None."""
+        ``restored_from``: ``"disk"``, ``"memory"``, ``"peer"`` (``jddp.Checkpointer.restored_from``) or None."""
         import numpy as np
 
         directory = Path(directory)

@@ -820,3 +820,16 @@ def test_saved_by_two_processes_restored_by_one(tmp_path):
     reference = {r["step"]: r["ids"] for r in read_consumed(clean / "consumed.jsonl")}
     for record in read_consumed(out / "consumed.jsonl"):
         assert record["ids"] == reference[record["step"]]
+
+
+@pytest.mark.multiprocess
+def test_a_process_whose_memory_is_lost_restores_a_peers_snapshot_bitwise_equal(tmp_path, two_process_reference):
+    """Process 1 is killed after step 9, and after step 18, and restarts each time with no snapshot (as on a
+    replaced host): process 0's newest snapshot (8, then 17; the disk holds 8, then 16) is sent to it, and the run
+    ends bitwise equal to the uninterrupted one. Without the peer's snapshot the second restart resumed at 16."""
+    done = launch_worker(tmp_path, "9,18", env={"LOSE_MEMORY": "1", "JDDP_SNAPSHOT_DIR": str(tmp_path / "memory")})
+    shown = f"{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, shown
+    assert "RESUMED at step 8 attempt 1 from peer" in done.stdout, shown
+    assert "RESUMED at step 17 attempt 2 from peer" in done.stdout, shown
+    assert_same_run(tmp_path, two_process_reference, "memory lost")

@@ -195,7 +195,9 @@ class Checkpointer:
                 budget=float(snapshot_budget),
                 every=snapshot_every,
             )
-        self.restored_from: str | None = None  # "memory" or "disk" after a restore_or_init that restored
+        # After a restore_or_init that restored: "memory" (every process its own snapshot), "peer" (a snapshot sent
+        # by another process to those whose memory was lost) or "disk".
+        self.restored_from: str | None = None
         # A reader never saves, so it leaves SIGTERM alone.
         self._preemption = None if read_only else preemption.Preemption(float(preemption_check_s))
         self._step: int | None = None  # host-side step, the same on every process
@@ -529,8 +531,8 @@ class Checkpointer:
         dispatch.DISPATCHER.drain()
         start = time.perf_counter()
         failures = []
+        self.restored_from = None
         restored = self._restore_from_memory(state)
-        self.restored_from = "memory" if restored is not None else None
         tried: set[int] = set()
         while restored is None:
             # Read-only, the list is read afresh after a failure: the writer's retention may have removed the step.
@@ -629,6 +631,7 @@ class Checkpointer:
                 reason = str(error)
             if preemption.all_agree(reason is None):
                 snaps.drop_after(step)
+                self.restored_from = "memory"
                 return TrainState(**tree, opt_layout=state.opt_layout), loader_state, extra_state, step
             warnings.warn(
                 f"The in-memory snapshot of step {step} cannot be used ({reason or 'not on another process'}); "
@@ -636,7 +639,59 @@ class Checkpointer:
                 CheckpointWarning,
                 stacklevel=4,
             )
-        return None
+        return self._restore_from_a_peer(state, rows)
+
+    def _restore_from_a_peer(self, state: TrainState, rows: np.ndarray):
+        """When no step is held by every process (a process whose host's memory was lost, a replaced host): the
+        newest step some process holds, not older than the disk's, sent to every process from the first that
+        holds it. Each process of a data-parallel run holds every leaf whole, so any process is every other's
+        buddy, at no cost while training; a state split over the processes (ZeRO-1) is restored from disk."""
+        found = snapshot.newest_held(rows) if jax.process_count() > 1 else None
+        if found is None:
+            return None
+        from jax.experimental import multihost_utils
+
+        step, holder = found
+        mine = holder == jax.process_index()
+        file, reason = np.zeros(0, np.uint8), None
+        if mine:
+            assert self._snapshots is not None  # it listed the step
+            try:
+                file = self._snapshots.read_for_peers(step, restore.as_dict(state), self.fingerprint)
+            except snapshot.Unusable as error:
+                reason = str(error)
+        size = np.asarray([file.size if mine and reason is None else -1], np.int32)
+        with watchdog.waiting():
+            size = int(multihost_utils.broadcast_one_to_all(size, is_source=mine)[0])
+        if size < 0:
+            warnings.warn(
+                f"The in-memory snapshot of step {step} on process {holder} cannot be sent to the processes that "
+                f"lack one ({reason or 'see that process'}); restoring from the checkpoints on disk.",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+            return None
+        with watchdog.waiting():
+            blob = multihost_utils.broadcast_one_to_all(file if mine else np.zeros(size, np.uint8), is_source=mine)
+        try:
+            tree, loader_state, extra_state = snapshot.decode(
+                np.asarray(blob, np.uint8), step, restore.as_dict(state), self.fingerprint, whole=True
+            )
+            reason = None
+        except snapshot.Unusable as error:
+            reason = str(error)
+        if not preemption.all_agree(reason is None):
+            warnings.warn(
+                f"The in-memory snapshot of step {step} sent by process {holder} cannot be used "
+                f"({reason or 'on another process'}); restoring from the checkpoints on disk.",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+            return None
+        if self._snapshots is not None:
+            self._snapshots.drop_after(step)
+        self.restored_from = "peer"
+        return TrainState(**tree, opt_layout=state.opt_layout), loader_state, extra_state, step
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

@@ -86,6 +86,17 @@ def choose(rows: np.ndarray) -> list[int]:
     return sorted((s for s in set.intersection(*held) if s >= newest_disk), reverse=True)
 
 
+def newest_held(rows: np.ndarray) -> tuple[int, int] | None:
+    """``(step, process)``: the newest snapshot step that some process holds, not older than the newest checkpoint
+    on disk, and the first process that holds it; None when there is none. ``rows`` as for ``choose``."""
+    newest_disk = max(int(row[0]) for row in rows)
+    held = [(int(s), p) for p, row in enumerate(rows) for s in row[1:] if s >= 0 and s >= newest_disk]
+    if not held:
+        return None
+    step = max(s for s, _ in held)
+    return step, min(p for s, p in held if s == step)
+
+
 def _normal_index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """A shard's index (slices) as ``((start, stop), ...)`` per dimension."""
     return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
@@ -315,58 +326,25 @@ class Snapshots:
         """
         path = self.folder / f"{step}{SUFFIX}"
         try:
-            return self._load(np.fromfile(path, np.uint8), step, tree, fingerprint)
+            return decode(np.fromfile(path, np.uint8), step, tree, fingerprint)
         except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
 
-    def _load(self, file: np.ndarray, step: int, tree: dict, fingerprint: str | None) -> tuple[dict, Any, Any]:
-        (length,) = _HEADER_LENGTH.unpack_from(file.data, 0)
-        header = json.loads(file[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length].tobytes())
-        if header.get("format") != FORMAT or header.get("step") != step:
-            raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
-        here = {"processes": self.processes, "devices": jax.device_count(), "fingerprint": fingerprint}
-        for name, value in here.items():
-            if header.get(name) != value:
-                raise Unusable(f"snapshot of step {step} has {name} {header.get(name)!r}, here {value!r}")
-        layout = _layout(tree)
-        if [lf[:3] for lf in header["leaves"]] != [lf[:3] for lf in layout.leaves]:
-            raise Unusable(f"snapshot of step {step} holds another state (leaves' paths, shapes or dtypes differ)")
-        start = _HEADER_LENGTH.size + length
-        data = file[start : start + sum(header["sizes"])]
-        if data.size != sum(header["sizes"]):
-            raise Unusable(f"snapshot of step {step} is cut short ({file.size} bytes)")
-        if zlib.crc32(data.data) != header["crc32"]:
-            raise Unusable(f"snapshot of step {step} is damaged (CRC-32 mismatch)")
-        device_starts = np.cumsum([0, *header["sizes"]])
-        by_leaf: dict[int, dict[tuple, np.ndarray]] = {}
-        for leaf, index, device, offset, nbytes in header["shards"]:
-            name, _, dtype, _ = header["leaves"][leaf]
-            shape = tuple(b - a for a, b in index)
-            raw = data[device_starts[device] + offset : device_starts[device] + offset + nbytes]
-            value = raw.astype(np.bool_) if dtype == "bool" else raw.view(jnp.dtype(dtype))
-            by_leaf.setdefault(leaf, {})[tuple(tuple(p) for p in index)] = value.reshape(shape)
-        leaves, treedef = jax.tree.flatten(tree)
-        out = []
-        for i, x in enumerate(leaves):
-            shards = by_leaf.get(i, {})
-            impl = header["leaves"][i][3]
-            extra_dims = tuple((0, n) for n in header["leaves"][i][1][x.ndim :])
+    def read_for_peers(self, step: int, tree: dict, fingerprint: str | None) -> np.ndarray:
+        """The file of the snapshot at ``step`` as bytes, for processes that hold none (their host's memory was
+        lost): checked as ``load`` checks it, and only a snapshot of whole arrays (each process holds one copy of
+        every leaf; a split one, ZeRO-1's, holds only this process's part).
 
-            def piece(index, x=x, shards=shards, extra_dims=extra_dims):
-                key = _normal_index(index, tuple(x.shape)) + extra_dims
-                if key not in shards:
-                    raise Unusable(f"snapshot of step {step} lacks the shard {key} of a leaf (another sharding)")
-                return shards[key]
-
-            if impl is not None:
-                data_shape = tuple(header["leaves"][i][1])
-                sharding = jax.random.key_data(x).sharding
-                rank = x.ndim
-                raw = jax.make_array_from_callback(data_shape, sharding, lambda index, p=piece, r=rank: p(index[:r]))  # pyright: ignore[reportOptionalSubscript]
-                out.append(jax.random.wrap_key_data(raw, impl=jax.random.key_impl(x)))
-            else:
-                out.append(jax.make_array_from_callback(tuple(x.shape), x.sharding, piece))
-        return jax.tree.unflatten(treedef, out), header.get("loader"), header.get("extra")
+        Raises:
+          Unusable: as ``load``, or when the snapshot holds parts of split leaves.
+        """
+        path = self.folder / f"{step}{SUFFIX}"
+        try:
+            file = np.fromfile(path, np.uint8)
+            decode(file, step, tree, fingerprint, whole=True)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as error:
+            raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
+        return file
 
     def drop_after(self, step: int) -> None:
         """Removes this process's snapshots newer than ``step`` (the restored one): another timeline's."""
@@ -384,8 +362,66 @@ class Snapshots:
         self._writer.shutdown()
         if remove:
             shutil.rmtree(self.folder, ignore_errors=True)
-            for parent in (self.folder.parent,):
-                try:
-                    parent.rmdir()  # the last process's removal empties it
-                except OSError:
-                    pass
+            try:
+                self.folder.parent.rmdir()  # the last process's removal empties it
+            except OSError:
+                pass
+
+
+def decode(file: np.ndarray, step: int, tree: dict, fingerprint: str | None, *, whole: bool = False):
+    """``(arrays by field in tree's shardings, loader position, extra state)`` of a snapshot file's bytes.
+
+    Raises:
+      Unusable: see ``Snapshots.load``; with ``whole``, also for a snapshot that holds parts of split leaves.
+    """
+    (length,) = _HEADER_LENGTH.unpack_from(file.data, 0)
+    header = json.loads(file[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length].tobytes())
+    if header.get("format") != FORMAT or header.get("step") != step:
+        raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
+    here = {"processes": jax.process_count(), "devices": jax.device_count(), "fingerprint": fingerprint}
+    for name, value in here.items():
+        if header.get(name) != value:
+            raise Unusable(f"snapshot of step {step} has {name} {header.get(name)!r}, here {value!r}")
+    layout = _layout(tree)
+    if [lf[:3] for lf in header["leaves"]] != [lf[:3] for lf in layout.leaves]:
+        raise Unusable(f"snapshot of step {step} holds another state (leaves' paths, shapes or dtypes differ)")
+    start = _HEADER_LENGTH.size + length
+    data = file[start : start + sum(header["sizes"])]
+    if data.size != sum(header["sizes"]):
+        raise Unusable(f"snapshot of step {step} is cut short ({file.size} bytes)")
+    if zlib.crc32(data.data) != header["crc32"]:
+        raise Unusable(f"snapshot of step {step} is damaged (CRC-32 mismatch)")
+    if whole and any(
+        list(map(tuple, index)) != [(0, n) for n in header["leaves"][leaf][1]] for leaf, index, *_ in header["shards"]
+    ):
+        raise Unusable(f"snapshot of step {step} holds parts of split leaves (ZeRO-1): it restores only its process")
+    device_starts = np.cumsum([0, *header["sizes"]])
+    by_leaf: dict[int, dict[tuple, np.ndarray]] = {}
+    for leaf, index, device, offset, nbytes in header["shards"]:
+        name, _, dtype, _ = header["leaves"][leaf]
+        shape = tuple(b - a for a, b in index)
+        raw = data[device_starts[device] + offset : device_starts[device] + offset + nbytes]
+        value = raw.astype(np.bool_) if dtype == "bool" else raw.view(jnp.dtype(dtype))
+        by_leaf.setdefault(leaf, {})[tuple(tuple(p) for p in index)] = value.reshape(shape)
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for i, x in enumerate(leaves):
+        shards = by_leaf.get(i, {})
+        impl = header["leaves"][i][3]
+        extra_dims = tuple((0, n) for n in header["leaves"][i][1][x.ndim :])
+
+        def piece(index, x=x, shards=shards, extra_dims=extra_dims):
+            key = _normal_index(index, tuple(x.shape)) + extra_dims
+            if key not in shards:
+                raise Unusable(f"snapshot of step {step} lacks the shard {key} of a leaf (another sharding)")
+            return shards[key]
+
+        if impl is not None:
+            data_shape = tuple(header["leaves"][i][1])
+            sharding = jax.random.key_data(x).sharding
+            rank = x.ndim
+            raw = jax.make_array_from_callback(data_shape, sharding, lambda index, p=piece, r=rank: p(index[:r]))  # pyright: ignore[reportOptionalSubscript]
+            out.append(jax.random.wrap_key_data(raw, impl=jax.random.key_impl(x)))
+        else:
+            out.append(jax.make_array_from_callback(tuple(x.shape), x.sharding, piece))
+    return jax.tree.unflatten(treedef, out), header.get("loader"), header.get("extra")
