@@ -23,7 +23,8 @@ What each process gets: the environment variables ``JDDP_COORDINATOR``
 ``JDDP_PROCESS_ID`` (``node_rank * nprocs + local rank``), ``JDDP_LOCAL_RANK``,
 ``JDDP_LOCAL_DEVICES`` (with ``--devices-per-process``), ``JDDP_PEER_TIMEOUT``
 (with ``--peer-timeout``), ``JDDP_RESTART_COUNT`` (0 on the first attempt) and
-``JDDP_MAX_RESTARTS``. The script calls ``jddp.initialize()`` to join the group.
+``JDDP_MAX_RESTARTS`` and ``JDDP_SNAPSHOT_DIR`` (below). The script calls ``jddp.initialize()`` to join the
+group.
 Without ``--coordinator`` the coordinator is ``127.0.0.1`` on a free port (a new
 one for every attempt): a local run listens on loopback only.
 
@@ -85,14 +86,33 @@ preemption, 0 when all finished normally, and ``128 + signal`` otherwise.
 Exit code 75 from the processes without a signal to the launcher is passed on
 the same way, without a restart, so that a scheduler can requeue the job.
 
+A restart's critical path: the launcher wakes as soon as a process ends (a ``pidfd`` per process, else the
+``--monitor-interval`` poll), SIGKILLs the others, and starts the next attempt without waiting for the old
+group's last output (it is still copied, while the next attempt runs; all of it before the launcher exits) or
+for the old coordination service to stop (a local run's next service listens on a new port: started, with the
+spares, while the attempt before it runs). With ``--max-restarts`` > 0 and an attempt's processes past their
+first step (their goodput ledger says so; else ``PREPARE_AFTER_S`` seconds after the attempt started), the
+launcher starts one spare per local process (``python -u -m jddp.cli.spare``, see there): a process that has
+imported JAX, Flax, Optax, Orbax, Grain and jddp and waits. A restart hands each spare its process's role (the
+environment described above, the command) instead of starting a new process, says ``process(es) ... handed to
+their spares``, and starts a process anew where a spare has ended; a spare's lines get the ``[N] `` of the role
+it took; spares not needed are ended with the launcher. ``--no-spares`` turns them off; ``--transport mpi`` has
+none. With ``--cpu-share`` a spare is pinned to the cores of its local rank from its start, as a process is.
+
+The snapshot directory: each launcher makes one directory in memory for the run (under ``/dev/shm`` when it is
+a tmpfs, else the temporary directory: ``jddp-snapshots-<launcher pid>-<random>``), passes it to every process
+as ``JDDP_SNAPSHOT_DIR``, keeps it across attempts and removes it when it ends; one the user set in
+``JDDP_SNAPSHOT_DIR`` is passed instead and never removed. A launcher that was SIGKILLed leaves its directory:
+each launcher removes, when it starts, the ``jddp-snapshots-<pid>-*`` directories whose launcher no longer runs.
+
 From Python: ``launch(config_from_args(get_args_parser().parse_args(argv)))``, or
 ``launch(LaunchConfig(target="train.py", nprocs=2))``; ``launch`` returns the exit
 code described above.
 
 The launcher imports no JAX: it only starts processes and reads their output.
 This module is the launcher's manual as well as its code, which takes it past
-the ~400 lines of the style guide (the code is about 360); the output handling
-is in ``jddp.cli.output``.
+the ~400 lines of the style guide; the output handling is in ``jddp.cli.output``,
+the spares' side in ``jddp.cli.spare``.
 """
 
 from __future__ import annotations
