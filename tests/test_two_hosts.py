@@ -8,7 +8,9 @@ This is the case where gloo must be told its own address: the hostname maps to
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,11 +43,12 @@ def usable() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("ip") is not None
 
 
-def two_hosts(tmp_path, *worker: str) -> tuple[str, str]:
-    """Runs ``worker`` under ``jddp.launch`` on both hosts; returns their logs, or fails showing the sandbox's."""
+def two_hosts(tmp_path, *worker: str, script: str = LAUNCH) -> tuple[str, str]:
+    """Runs ``worker`` under ``jddp.launch`` on both hosts (``script``: how); returns their logs, or fails showing
+    the sandbox's."""
     for rank in (0, 1):
         (tmp_path / f"host{rank}.log").unlink(missing_ok=True)
-    command = ["bash", str(HOSTS), "sandbox", "bash", "-c", LAUNCH, "launch", sys.executable, str(tmp_path), *worker]
+    command = ["bash", str(HOSTS), "sandbox", "bash", "-c", script, "launch", sys.executable, str(tmp_path), *worker]
     # A broken test bed fails at initialisation; 60 s (not 120) lets both attempts fail within the 300 s below.
     env = multiprocess.environment(NS_PREFIX="jddpt", NET_ID="0", JDDP_INIT_TIMEOUT="60")
     try:
@@ -80,3 +83,54 @@ def test_two_hosts_train_like_one_process_and_restart_together(tmp_path):
     host0, host1 = two_hosts(tmp_path, str(multiprocess.WORKERS / "group.py"), "die", "1", "40", "1")
     assert "[0] DONE 0 attempt 1" in host0 and "[1] DONE 1 attempt 1" in host1, host0 + host1
     assert "restarting the group (1 of 1)" in host0 and "restarting the group (1 of 1)" in host1, host0 + host1
+
+
+# Host 1 dies after step 11 (its launcher and its process SIGKILLed: its in-memory snapshots go with its launcher's
+# folder); a replacement host starts a new launcher there once the first is gone.
+REPLACE = """
+python=$1 logs=$2; shift 2
+launch() {
+  ip netns exec "$1" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts 2 --peer-timeout 10 \\
+    --nnodes 2 --node-rank "$2" --coordinator "$ADDR_A:29500" "${@:3}"
+}
+KILL_HOST_AT=11 launch "$NETNS_A" 0 "$@" > "$logs/host0.log" 2>&1 &
+a_pid=$!
+KILL_HOST_AT=11 launch "$NETNS_B" 1 "$@" > "$logs/host1-lost.log" 2>&1 &
+wait $!
+echo "host 1's launcher is gone; its replacement starts" >&2
+launch "$NETNS_B" 1 "$@" > "$logs/host1.log" 2>&1
+b=$?
+wait "$a_pid"; a=$?
+echo "launchers exited: host 0 with $a, host 1's replacement with $b" >&2
+[ $a = 0 ] && [ $b = 0 ]
+"""
+
+
+@pytest.mark.skipif(not usable(), reason="needs root, unshare and ip (iproute2) to build two network namespaces")
+def test_a_lost_host_is_replaced_and_resumes_from_the_survivors_memory(tmp_path):
+    """The replacement host holds no snapshot: the survivor's newest (step 10, or 9 if the survivor was stopped while
+    writing 10) is sent to it, the run goes on from there (the disk holds 8) and consumes exactly the examples of one
+    process with the same 4 devices, to the same parameters (round-off: the sum's order differs between 2 processes
+    of 2 devices and 1 of 4)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    worker = [str(multiprocess.WORKERS / "ckpt_train.py"), str(out), "30"]
+    host0, _ = two_hosts(tmp_path, *worker, script=REPLACE)
+    resumed = re.findall(r"RESUMED at step (\d+) attempt 1 from (\w+)", host0)
+    assert resumed and resumed[0][1] == "peer" and int(resumed[0][0]) in (9, 10), host0
+
+    reference = tmp_path / "one"
+    reference.mkdir()
+    single = subprocess.run(
+        [sys.executable, *worker[:1], str(reference), "30"],
+        env=multiprocess.environment(JDDP_LOCAL_DEVICES="4"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert single.returncode == 0, single.stderr
+    consumed = {r["step"]: r["ids"] for r in map(json.loads, (reference / "consumed.jsonl").read_text().splitlines())}
+    for record in map(json.loads, (out / "consumed.jsonl").read_text().splitlines()):
+        assert record["ids"] == consumed[record["step"]], record
+    a, b = dict(np.load(reference / "final.npz")), dict(np.load(out / "final.npz"))
+    assert a.keys() == b.keys() and models.max_diff(a, b) <= 1e-6

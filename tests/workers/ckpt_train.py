@@ -14,6 +14,7 @@ LOSE_MEMORY=1 makes that process delete its in-memory snapshots before restoring
 replaced host would have none). PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1).
 RAISE_AT=step makes process 0
 raise right after that step's ``maybe_save`` in attempt 0 (an unhandled exception while its async save is written).
+KILL_HOST_AT=step makes process 1 SIGKILL its launcher and itself after that step in attempt 0 (a lost host).
 KILL_LAUNCHER_AT=step makes process 0 SIGKILL its parent (``jddp launch``) after that step, then go on; every
 process writes DIR/launch-folder-<process> (the launcher's temporary folder) at its start and DIR/exit-<process>
 (its step and exit code) when preemption stops it: its output then leads nowhere.
@@ -102,6 +103,9 @@ while step < steps:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == kill_launcher_at and jax.process_index() == 0:
             os.kill(os.getppid(), signal.SIGKILL)
+        if step == int(os.environ.get("KILL_HOST_AT", "-1")) and jax.process_index() == killer and attempt == 0:
+            os.kill(os.getppid(), signal.SIGKILL)  # the host dies: its launcher, its snapshots' folder, this process
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == term_at and jax.process_index() == killer and attempt == 0:
             os.kill(os.getppid() if term_to == "launcher" else os.getpid(), signal.SIGTERM)
             # Until this process's own handler saw it (forwarded by the launcher, or sent to itself): no race.
