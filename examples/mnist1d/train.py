@@ -61,8 +61,6 @@ def load_data(config: Config) -> dict[str, np.ndarray]:
     """
     from importlib.metadata import version
 
-    from mnist1d.data import get_dataset_args, make_dataset
-
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = pathlib.Path(base) / "jddp" / "data" / f"mnist1d-{version('mnist1d')}-{config.num_samples}-{config.seed}.npz"
     try:
@@ -70,6 +68,8 @@ def load_data(config: Config) -> dict[str, np.ndarray]:
             return {k: cached[k] for k in ("x", "y", "x_test", "y_test")}
     except (OSError, KeyError, ValueError):
         pass  # not there yet, or unreadable: generate it again
+    from mnist1d.data import get_dataset_args, make_dataset  # imports SciPy and Matplotlib: seconds, when needed only
+
     args = get_dataset_args()
     args.num_samples, args.seed = config.num_samples, config.seed
     data = make_dataset(args)
