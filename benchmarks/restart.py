@@ -1,15 +1,19 @@
-"""Restart time: from a SIGKILL to the first step of the restarted group, with and without the compilation cache.
+"""Restart time: from a SIGKILL to the first step of the restarted group, with and without the compilation cache,
+with and without the launcher's spare processes.
 
-    python -m benchmarks.restart [--repeats 5] [--seed 0]
+    python -m benchmarks.restart [--repeats 10] [--seed 0] [--no-fresh]
 
-Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, 3 epochs, a checkpoint every
+Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, 10 epochs, a checkpoint every
 20 steps) under ``jddp launch -n 2 --max-restarts 3``, and SIGKILLs one worker once per run, at a step and a
-process drawn from ``--seed`` (printed, so a run can be replayed), once the run is past step 30. Modes, interleaved
-run by run: ``cold`` (``JDDP_COMPILATION_CACHE=0``: every restart compiles) and ``warm`` (jddp's default cache, in
-a directory filled by one run first). From the goodput ledgers (``jddp.goodput``): the time from the kill to the
-restarted attempt's first step, and its parts: the old group's end (noticed and stopped), the launcher's restart,
-the new processes' start (imports, ``initialize``, the model), the restore, and the first step (compilation).
-Prints medians and the load average.
+process drawn from ``--seed`` (printed, so a run can be replayed): the first step past the drawn one (31 to 60) at
+which the launcher's spares are ready (it says so on stderr), so that a kill finds them as a crash in a long run
+would. Modes, interleaved run by run: ``cold`` (``JDDP_COMPILATION_CACHE=0``: every restart compiles) and ``warm``
+(jddp's default cache, in a directory filled by one run first), each with spares (the default) and with
+``--no-spares`` (every restart starts its processes anew). From the goodput ledgers (``jddp.goodput``): the time
+from the kill to the restarted attempt's first step, and its parts: the old group's end (noticed and stopped), the
+launcher's restart, the new processes' start (imports, ``initialize``, the model: a spare has done the imports),
+the restore, and the first step (compilation). Prints each mode's median, min and max, the parts' medians and the
+load average; then (unless ``--no-fresh``) a fresh start's time to the first step, cold and warm.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,19 +56,41 @@ def workers(launcher: int) -> list[int]:
     return out
 
 
+SPARES_READY = "spare process(es) ready for a restart"  # jddp.cli.launch's line
+HANDED = "handed to their spares"
+
+
 def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_timeout: float) -> dict | None:
+    """One run in ``mode`` (``cold``/``warm``, `` no-spares`` appended for ``--no-spares``), killed after
+    ``kill_step`` (None: no kill, the fresh start's first step only)."""
     from jddp import goodput
 
+    spares = not mode.endswith("no-spares")
     with tempfile.TemporaryDirectory() as run_dir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("XLA_FLAGS", None)
-        env["JDDP_COMPILATION_CACHE"] = "0" if mode == "cold" else cache_dir
+        env["JDDP_COMPILATION_CACHE"] = "0" if mode.startswith("cold") else cache_dir
         argv = [
             sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", "--peer-timeout", str(peer_timeout),
-            str(SCRIPT), f"config={CONFIG}", "epochs=3", "progress=false", "save_every=20",
+            *([] if spares else ["--no-spares"]),
+            str(SCRIPT), f"config={CONFIG}", "epochs=10", "progress=false", "save_every=20",
             f"log_dir={run_dir}/log", f"checkpoint_dir={run_dir}/ckpt",
         ]  # fmt: skip
-        launcher = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        launcher = subprocess.Popen(
+            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        said: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            assert launcher.stderr is not None
+            for line in launcher.stderr:
+                said.append(line)
+                if SPARES_READY in line:
+                    ready.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         ledgers_of = lambda: sorted((Path(run_dir) / "log" / goodput.LEDGER_DIR).glob("*/attempt-*.ledger"))
         ledger0 = Path("/nonexistent")  # the run's folder is named by its id (jddp.goodput): found once it exists
         killed_at = None
@@ -71,7 +98,9 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             while kill_step is not None and killed_at is None and launcher.poll() is None:
                 time.sleep(0.02)
                 ledger0 = next(iter(ledgers_of()), ledger0)
-                if ledger0.exists() and goodput.read(ledger0)["last_step"] >= kill_step:
+                if (spares and not ready.is_set()) or not ledger0.exists():
+                    continue
+                if goodput.read(ledger0)["last_step"] >= kill_step:
                     pids = workers(launcher.pid)
                     if len(pids) == 2:
                         os.kill(pids[victim], signal.SIGKILL)
@@ -80,6 +109,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
         finally:
             if launcher.poll() is None:
                 launcher.kill()
+            reader.join(10)
         if launcher.returncode != 0:
             print(f"  {mode}: the run failed (exit {launcher.returncode})", flush=True)
             return None
@@ -91,6 +121,9 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             print(f"  {mode}: expected one restart, found {len(ledgers)} attempts", flush=True)
             return None
         old, new = goodput.read(ledgers[0]), goodput.read(ledgers[1])
+        if spares != any(HANDED in line for line in said):
+            print(f"  {mode}: the restart {'did not use' if spares else 'used'} spares", flush=True)
+            return None
         return {
             "kill_to_first_step_s": new["first_step_end"] - killed_at,
             "group_end_s": new["previous_end"] - killed_at,
@@ -104,37 +137,49 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
         }
 
 
+def summary(results: dict[str, list[dict]]) -> None:
+    print(f"kill to the first step of the restarted group (seconds), load at the end {os.getloadavg()[0]:.2f}:")
+    print(f"  {'mode':<16}{'median':>8}{'min':>8}{'max':>8}{'kills':>7}")
+    for mode, rows in results.items():
+        if rows:
+            times = [r["kill_to_first_step_s"] for r in rows]
+            print(f"  {mode:<16}{statistics.median(times):>8.2f}{min(times):>8.2f}{max(times):>8.2f}{len(times):>7}")
+    print("medians of the parts (seconds):")
+    keys = [k for k in next(iter(v for v in results.values() if v), [{}])[0] if k != "kill_to_first_step_s"]
+    print("  " + f"{'':<16}" + "".join(f"{k:>18}" for k in keys))
+    for mode, rows in results.items():
+        if rows:
+            print("  " + f"{mode:<16}" + "".join(f"{statistics.median(r[k] for r in rows):>18.2f}" for k in keys))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-timeout", type=float, default=30.0)
+    parser.add_argument("--no-fresh", action="store_true", help="skip the fresh starts without a kill")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    modes = ["cold", "cold no-spares", "warm", "warm no-spares"]
     print(f"restart benchmark: seed {args.seed}, {args.repeats} kills per mode, load {os.getloadavg()[0]:.2f}")
-    results: dict[str, list[dict]] = {"cold": [], "warm": []}
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
     first_steps: dict[str, list[float]] = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory() as cache_dir:
         one_run("warm", cache_dir, None, 0, args.peer_timeout)  # fills the cache
         for i in range(args.repeats):
             kill_step, victim = rng.randint(31, 60), rng.randint(0, 1)
-            for mode in ("cold", "warm") if i % 2 == 0 else ("warm", "cold"):
+            for mode in modes if i % 2 == 0 else modes[::-1]:
                 r = one_run(mode, cache_dir, kill_step, victim, args.peer_timeout)
                 if r is not None:
                     results[mode].append(r)
-                    print(f"  {mode}: kill process {victim} after step {kill_step}: " + ", ".join(
+                    print(f"  {mode}: kill process {victim} at step {kill_step} or after: " + ", ".join(
                         f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
-        for i in range(args.repeats):  # a fresh start, no kill: the first step with and without the cache
+        for i in range(0 if args.no_fresh else args.repeats):  # a fresh start, no kill: with and without the cache
             for mode in ("cold", "warm") if i % 2 == 0 else ("warm", "cold"):
                 r = one_run(mode, cache_dir, None, 0, args.peer_timeout)
                 if r is not None:
                     first_steps[mode].append(r["first_step_s"])
-    print(f"medians over the kills (seconds), load at the end {os.getloadavg()[0]:.2f}:")
-    keys = list(next(iter(v for v in results.values() if v), [{}])[0])
-    print("  " + f"{'':<6}" + "".join(f"{k:>22}" for k in keys))
-    for mode, rows in results.items():
-        if rows:
-            print("  " + f"{mode:<6}" + "".join(f"{statistics.median(r[k] for r in rows):>22.2f}" for k in keys))
+    summary(results)
     for mode, times in first_steps.items():
         if times:
             print(
