@@ -62,7 +62,7 @@ def one_run(model: str, mode: str, args) -> dict | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="mlp,lm")
     parser.add_argument("--save-every", type=int, default=50)
