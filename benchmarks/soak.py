@@ -1,0 +1,195 @@
+"""Memory soak: does a long run that saves often keep every process's memory flat?
+
+    python -m benchmarks.soak [--steps 20000] [--save-every 10] [--interval 3] [--no-malloc-tuning]
+
+Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``) under ``jddp launch -n 2``
+for at least ``--steps`` steps (the example trains by epochs: as many epochs as reach them), with an async
+checkpoint every ``--save-every`` steps (``max_to_keep`` 3, the default) and the example's own evaluation after
+every epoch and a metrics record every 10 steps. Every ``--interval`` seconds it samples each worker's resident
+memory (``VmRSS`` in ``/proc/<pid>/status``, and the anonymous part, ``Anonymous`` in ``smaps_rollup``), its open
+file descriptors and threads, with the step reached (process 0's goodput ledger, ``jddp.goodput``). It prints,
+per process, the slope of RSS and of anonymous memory over the steps after warm-up (a least-squares line through
+the samples of the second half of the steps, in MB per 1000 steps; the goal is under 0.2), the memory at the
+start and end of that half, and the descriptors and threads first and last; the load average at the start and
+the end, and the run's last line (``jddp.fit``'s: the steps, and the in-memory snapshots taken and their interval at
+the end). ``--out FILE`` also writes every sample as JSON.
+
+In-memory snapshots (``jddp.checkpoint.snapshot``) are jddp's default under ``jddp launch``: on, their interval
+adapting to their cost (every step where they cost little); ``--no-snapshots`` turns them off
+(``JDDP_SNAPSHOTS=0``), to tell their memory from the saves'. ``--set key=value`` passes an override to the example
+(repeatable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
+CONFIG = ROOT / "configs" / "mnist1d_mlp.yaml"
+TRAIN_EXAMPLES, GLOBAL_BATCH = 4000, 128  # the example's defaults: 80% of 5000 examples, 128 per step
+
+
+def workers(launcher: int) -> list[int]:
+    """The launcher's Python worker processes (not the coordination service), in start order."""
+    try:
+        pids = [int(p) for p in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()]
+    except OSError:
+        return []
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"train.py") for part in cmd):
+            out.append(pid)
+    return out
+
+
+def sample(pid: int) -> dict[str, float] | None:
+    """RSS and anonymous memory (MB), open descriptors and threads of ``pid``; None once it is gone."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        rollup = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, ValueError):
+        return None
+    kb = lambda text: float(text.split()[0]) / 1024  # "1234 kB" -> MB
+    return {
+        "rss_mb": kb(status["VmRSS"]),
+        "anon_mb": kb(rollup["Anonymous"]),
+        "fds": fds,
+        "threads": int(status["Threads"]),
+    }
+
+
+def slope_per_1000(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of ``(step, MB)`` points, in MB per 1000 steps (nan for fewer than 2 steps)."""
+    if len({s for s, _ in points}) < 2:
+        return math.nan
+    n = len(points)
+    mean_s = sum(s for s, _ in points) / n
+    mean_m = sum(m for _, m in points) / n
+    cov = sum((s - mean_s) * (m - mean_m) for s, m in points)
+    var = sum((s - mean_s) ** 2 for s, _ in points)
+    return 1000 * cov / var
+
+
+def run(args) -> tuple[int, dict[int, list[dict]]]:
+    """Launches the run and samples it until it ends; returns the launcher's exit code and the samples by process."""
+    from jddp import goodput
+
+    per_epoch = TRAIN_EXAMPLES // GLOBAL_BATCH
+    epochs = math.ceil(args.steps / per_epoch)
+    samples: dict[int, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("XLA_FLAGS", None)
+        if args.no_snapshots:
+            env["JDDP_SNAPSHOTS"] = "0"
+        argv = [
+            sys.executable, "-m", "jddp.launch", "-n", "2",
+            *(["--no-malloc-tuning"] if args.no_malloc_tuning else []),
+            str(SCRIPT), f"config={CONFIG}", f"epochs={epochs}", "progress=false", f"save_every={args.save_every}",
+            f"log_dir={run_dir}/log", f"checkpoint_dir={run_dir}/ckpt",
+            *args.set,
+        ]  # fmt: skip
+        log = open(Path(run_dir) / "launch.log", "wb")  # read back on failure, after the run
+        launcher = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        ledger = None
+        start = time.time()
+        try:
+            while launcher.poll() is None:
+                time.sleep(args.interval)
+                if ledger is None:
+                    ledger = next(iter(sorted((Path(run_dir) / "log" / goodput.LEDGER_DIR).glob("*/attempt-*"))), None)
+                if ledger is None:
+                    continue
+                try:
+                    step = int(goodput.read(ledger)["last_step"])
+                except (OSError, ValueError, KeyError):
+                    continue
+                for rank, pid in enumerate(workers(launcher.pid)):
+                    found = sample(pid)
+                    if found is not None:
+                        samples.setdefault(rank, []).append({"t": time.time() - start, "step": step, **found})
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.wait()
+            log.close()
+        text = (Path(run_dir) / "launch.log").read_text(errors="replace")
+        if launcher.returncode != 0:
+            print(text[-3000:], file=sys.stderr)
+        print("  " + next((line for line in reversed(text.splitlines()) if "fit: " in line), "(no fit line)").strip())
+    return launcher.returncode, samples
+
+
+def report(args, samples: dict[int, list[dict]]) -> list[dict]:
+    rows = []
+    for rank, points in sorted(samples.items()):
+        last_step = max(p["step"] for p in points)
+        late = [p for p in points if p["step"] >= last_step / 2]
+        rows.append(
+            {
+                "process": rank,
+                "samples": len(points),
+                "last_step": last_step,
+                "rss_slope_mb_per_1000": slope_per_1000([(p["step"], p["rss_mb"]) for p in late]),
+                "anon_slope_mb_per_1000": slope_per_1000([(p["step"], p["anon_mb"]) for p in late]),
+                "rss_half_mb": late[0]["rss_mb"],
+                "rss_end_mb": late[-1]["rss_mb"],
+                "fds": (points[0]["fds"], points[-1]["fds"]),
+                "threads": (points[0]["threads"], points[-1]["threads"]),
+            }
+        )
+    for r in rows:
+        print(
+            f"  process {r['process']}: {r['samples']} samples to step {r['last_step']}; over steps >= "
+            f"{r['last_step'] // 2}: RSS {r['rss_slope_mb_per_1000']:+.3f} MB per 1000 steps "
+            f"({r['rss_half_mb']:.1f} -> {r['rss_end_mb']:.1f} MB), anonymous {r['anon_slope_mb_per_1000']:+.3f} MB "
+            f"per 1000 steps; fds {r['fds'][0]} -> {r['fds'][1]}, threads {r['threads'][0]} -> {r['threads'][1]}"
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--steps", type=int, default=20000, help="at least this many steps (whole epochs)")
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--no-snapshots", action="store_true", help="in-memory snapshots off (JDDP_SNAPSHOTS=0)")
+    parser.add_argument("--interval", type=float, default=3.0, help="seconds between samples")
+    parser.add_argument("--no-malloc-tuning", action="store_true", help="jddp launch's flag of the same name")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override of the example")
+    parser.add_argument("--out", default=None, help="also write the samples and the slopes here (JSON)")
+    args = parser.parse_args()
+    if args.steps < 2 or args.save_every < 1 or args.interval <= 0:
+        parser.error(f"--steps must be >= 2, --save-every >= 1 and --interval > 0, got {args}")
+    load = os.getloadavg()
+    print(
+        f"soak: {args.steps} steps, a save every {args.save_every}, snapshots {'off' if args.no_snapshots else 'on'}, "
+        f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        flush=True,
+    )
+    start = time.time()
+    code, samples = run(args)
+    load = os.getloadavg()
+    print(f"  exit {code} after {time.time() - start:.0f} s; load at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    rows = report(args, samples) if samples else []
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "samples": samples}, indent=1))
+    if code != 0 or not samples:
+        sys.exit(code or 1)
+
+
+if __name__ == "__main__":
+    main()
