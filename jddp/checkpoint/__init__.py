@@ -80,6 +80,22 @@ Guarantees:
 * **No loader position.** A checkpoint saved without a loader, restored with
   one, is not damage: the state is restored, the loader starts from its
   beginning, and a ``CheckpointWarning`` says so.
+* **In-memory snapshots.** Where ``$JDDP_SNAPSHOT_DIR`` names a directory in
+  memory that outlives the processes (``jddp launch`` makes one per run in
+  ``/dev/shm``), ``maybe_save`` also keeps snapshots of the complete state
+  there (``jddp.checkpoint.snapshot``): every step, or every k steps when
+  their measured cost passes ``snapshot_budget`` (1%) of the step time, the
+  same steps on every process (agreed at the preemption exchanges). Each
+  process keeps its newest two, each written beside them and renamed when
+  complete, with a CRC-32: a kill during a write leaves the older ones. A
+  restart's ``restore_or_init`` restores the newest step that every process
+  holds, when it is not older than the disk's newest (agreed, CRC-checked;
+  ``restored_from == "memory"``); when some processes hold none (their host
+  was replaced), the newest step another process holds is sent to them over
+  the devices (``"peer"``; a state split by ZeRO-1 goes to disk instead);
+  otherwise the disk as before. Memory per host: 3 x the state (two kept, one
+  being written) per process. ``snapshots=False`` or ``JDDP_SNAPSHOTS=0``
+  turns them off; closing after the run removes them, an error keeps them.
 * **Any topology.** The state is restored into the shardings of the ``state``
   passed to ``restore_or_init`` (Orbax reshards), and the loader continues the
   same global batch sequence on any process count.
