@@ -824,12 +824,14 @@ def test_saved_by_two_processes_restored_by_one(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_process_whose_memory_is_lost_restores_a_peers_snapshot_bitwise_equal(tmp_path, two_process_reference):
-    """Process 1 is killed after step 9, and after step 18, and restarts each time with no snapshot (as on a
-    replaced host): process 0's newest snapshot (8, then 17; the disk holds 8, then 16) is sent to it, and the run
-    ends bitwise equal to the uninterrupted one. Without the peer's snapshot the second restart resumed at 16."""
-    done = launch_worker(tmp_path, "9,18", env={"LOSE_MEMORY": "1", "JDDP_SNAPSHOT_DIR": str(tmp_path / "memory")})
+    """Process 1 is killed after step 10, and after step 19, and restarts each time with no snapshot (as on a
+    replaced host; under jddp launch it keeps none of a replicated state anyway: its host's first process does).
+    Process 0's newest snapshot is sent to it: step 9 (8 if the launcher stopped process 0 while it wrote 9), then 18
+    (or 17), where the disk holds 8 and 16; the run ends bitwise equal to the uninterrupted one."""
+    done = launch_worker(tmp_path, "10,19", env={"LOSE_MEMORY": "1", "JDDP_SNAPSHOT_DIR": str(tmp_path / "memory")})
     shown = f"{done.stdout}\n{done.stderr}"
     assert done.returncode == 0, shown
-    assert "RESUMED at step 8 attempt 1 from peer" in done.stdout, shown
-    assert "RESUMED at step 17 attempt 2 from peer" in done.stdout, shown
+    resumed = [(int(s), a, f) for s, a, f in re.findall(r"RESUMED at step (\d+) attempt (\d) from (\w+)", done.stdout)]
+    assert [(a, f) for _, a, f in resumed] == [("0", "None"), ("1", "peer"), ("2", "peer")], shown
+    assert resumed[1][0] in (8, 9) and resumed[2][0] in (17, 18), shown
     assert_same_run(tmp_path, two_process_reference, "memory lost")

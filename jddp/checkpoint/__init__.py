@@ -93,8 +93,11 @@ Guarantees:
   ``restored_from == "memory"``); when some processes hold none (their host
   was replaced), the newest step another process holds is sent to them over
   the devices (``"peer"``; a state split by ZeRO-1 goes to disk instead);
-  otherwise the disk as before. Memory per host: 3 x the state (two kept, one
-  being written) per process. ``snapshots=False`` or ``JDDP_SNAPSHOTS=0``
+  otherwise the disk as before. Of a replicated state only the first process
+  of each host (``$JDDP_LOCAL_RANK`` 0) keeps snapshots, the others restore
+  from it as peers: memory per host, 3 x the state (two kept, one being
+  written); of a state split by ZeRO-1, every process keeps its own part.
+  ``snapshots=False`` or ``JDDP_SNAPSHOTS=0``
   turns them off; closing after the run removes them, an error keeps them.
 * **Any topology.** The state is restored into the shardings of the ``state``
   passed to ``restore_or_init`` (Orbax reshards), and the loader continues the

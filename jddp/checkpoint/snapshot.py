@@ -123,6 +123,7 @@ class _Layout:
     shards: list[list]  # [leaf, index, device position, offset in its device's buffer, nbytes]
     devices: list  # the local devices whose buffers are written, in order
     picks: list[list[tuple[int, int]]]  # per device: (leaf, local shard position) in buffer order
+    whole: bool  # every leaf whole (replicated): every process of the host holds the same snapshot
 
 
 def _layout(tree) -> _Layout:
@@ -155,7 +156,8 @@ def _layout(tree) -> _Layout:
             shards.append([i, [list(p) for p in index], d, offsets[d], nbytes])
             picks[d].append((i, position))
             offsets[d] += nbytes
-    return _Layout(leaves, shards, devices, picks)
+    whole = all([list(p) for p in index] == [[0, n] for n in leaves[leaf][1]] for leaf, index, *_ in shards)
+    return _Layout(leaves, shards, devices, picks, whole)
 
 
 @dataclasses.dataclass
@@ -178,6 +180,9 @@ class Snapshots:
         self.fingerprint = fingerprint
         self.budget = budget
         self.every = every
+        # jddp launch's index of this process on its host: of a replicated state, the processes of a host would
+        # keep the same snapshot, so only the first does (the others get it from it at a restart: "peer")
+        self.local_rank = envvars.get("JDDP_LOCAL_RANK")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-snapshot")
         self._pending: concurrent.futures.Future | None = None
         self._layouts: dict[Any, _Layout] = {}
@@ -225,6 +230,8 @@ class Snapshots:
         layout = self._layouts.get(signature)
         if layout is None:
             layout = self._layouts[signature] = _layout(tree)
+        if layout.whole and self.local_rank:
+            return
         leaves = jax.tree.leaves(tree)
         buffers = []
         for picks in layout.picks:
