@@ -312,3 +312,41 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_real_sigkill_during_writes_leaves_complete_snapshots_only(tmp_path):
+    """A process writing 16 MB snapshots is SIGKILLed in the middle of a pwrite (its writer pauses there: the test
+    kills it then), after a drawn number of writes: its half-written file is there and never listed, and every
+    snapshot it lists loads with its own step's values."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests import multiprocess
+
+    for i, halves in enumerate(np.random.default_rng(7).integers(1, 9, 3)):
+        base = tmp_path / f"kill-{i}"
+        child = subprocess.Popen(
+            [sys.executable, str(multiprocess.WORKERS / "snapshot_writer.py"), str(base)],
+            env=multiprocess.environment(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        for _ in range(halves):
+            assert child.stdout.readline().strip() == "HALF"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        folder = next(base.glob("*/process-0-of-1"))
+        assert (folder / snapshot.WRITING).exists()  # killed mid-write: the torn file is there
+        again = snapshot.Snapshots(base, "killed-writer", fingerprint=None, budget=0.01)
+        steps = again.steps()
+        # two pwrites a snapshot (its header, its data): those before the cut one are complete
+        assert len(steps) == min((halves - 1) // 2, snapshot.KEEP), (halves, steps)
+        template = {"a": jnp.zeros((2048, 2048), jnp.float32), "b": jnp.zeros((1024,), jnp.int32)}
+        for step in steps:
+            tree, loader, _ = again.load(step, template, None)
+            assert loader == {"position": step}
+            assert int(tree["a"].min()) == int(tree["a"].max()) == step and int(tree["b"][-1]) == step
+        again.close(remove=True)
