@@ -1,10 +1,10 @@
-"""Worker for tests/test_spares.py: ``jddp launch -n 2 --max-restarts 2 tests/workers/spare_restart.py``.
+"""Worker for tests/test_spares.py: ``jddp launch -n 2 --max-restarts 1 tests/workers/spare_restart.py``.
 
 Each process prints ``ATTEMPT a PROCESS p SPARE s SNAPSHOT dir KEPT k``: whether it runs in a spare
 (``python -m jddp.cli.spare``, its command line), the snapshot directory it got and whether the mark that process 0
-wrote there on the first attempt is still in it. On attempts 0 and 1, once the launcher's spares exist, process 1
-SIGKILLs itself; on attempt 1 process 0 first SIGKILLs the newest spare (the next attempt starts that process
-anew). The last attempt prints DONE.
+wrote there on the first attempt is still in it. On attempt 0, once the launcher's two spares exist, process 0
+SIGKILLs one of them (the restart starts that process anew, and hands the other its role) and process 1 SIGKILLs
+itself. Attempt 1 prints DONE.
 """
 
 import os
@@ -25,7 +25,7 @@ print(f"ATTEMPT {attempt} PROCESS {me} SPARE {spare} SNAPSHOT {snapshot_dir} KEP
 
 
 def spares() -> list[int]:
-    """The launcher's processes started as spares (on attempt 1 the group's two among them), in start order."""
+    """The launcher's processes started as spares, in start order."""
     launcher = os.getppid()
     found = []
     for pid in open(f"/proc/{launcher}/task/{launcher}/children").read().split():
@@ -38,14 +38,14 @@ def spares() -> list[int]:
     return [pid for _, pid in sorted(found)]
 
 
-if attempt < 2:
-    if me == 0 and attempt == 0:
+if attempt == 0:
+    if me == 0:
         with open(mark, "w") as f:
             f.write("written on attempt 0")
     deadline = time.monotonic() + 60
-    while len(spares()) < 2 + 2 * spare and time.monotonic() < deadline:
+    while len(spares()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    if me == 0 and attempt == 1:
+    if me == 0:
         os.kill(spares()[-1], signal.SIGKILL)
         print("KILLED A SPARE")
     if me == 1:
