@@ -45,11 +45,14 @@ def test_a_spare_handed_a_role_runs_the_target_as_python_would(tmp_path, monkeyp
     (tmp_path / "report_module.py").write_text(REPORT)
     monkeypatch.chdir(tmp_path)  # a spare's working directory is the launcher's: sys.path[0] under -m
     monkeypatch.setenv("PYTHONPATH", str(multiprocess.ROOT))
-    config = launch_lib.LaunchConfig(target="link.py", nprocs=4, max_restarts=1)
+    config = launch_lib.LaunchConfig(target="link.py", nprocs=4, max_restarts=1, cpu_share=True)
     launcher = launch_lib._Launcher(config)
     monkeypatch.setenv("GONE_BEFORE_THE_ROLE", "1")  # the spare's start had it, the role does not: not seen
     spares = {rank: launcher.start_spare(rank) for rank in (1, 2)}
     monkeypatch.delenv("GONE_BEFORE_THE_ROLE")
+    shares = launch_lib.cpu_shares(sorted(os.sched_getaffinity(0)), 4)
+    for rank, spare in spares.items():  # --cpu-share: pinned from its start to its local rank's cores
+        assert sorted(os.sched_getaffinity(spare.popen.pid)) == shares[rank]
     unused = launcher.start_spare(3)  # its launcher gone (the socket closed): it ends, running nothing
     unused.channel.close()
     roles = {1: (False, "link.py", ["a b", "--c"]), 2: (True, "report_module", ["x"])}
