@@ -257,6 +257,20 @@ class _Means:
         window = self.window.get_state()  # reads the window's pending steps into the epoch too: first
         return {"window": window, "epoch": self.epoch.get_state(), "run": self.run}
 
+    def get_state_later(self):
+        """``get_state`` as a function to call later from another thread, without waiting for the steps now
+        (``RunningMeans.get_state_later``; the window's pending steps count in the epoch's copy as well)."""
+        epoch = self.epoch._detached()
+        window = self.window._detached(parent=epoch)
+        run = self.run
+
+        def state() -> dict:
+            window._read_detached()  # into the epoch's copy too
+            epoch._read_detached()
+            return {"window": window.get_state(), "epoch": epoch.get_state(), "run": run}
+
+        return state
+
     def set_state(self, state: dict) -> None:
         self.window.set_state(state["window"])
         self.epoch.set_state(state["epoch"])

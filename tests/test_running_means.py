@@ -3,6 +3,8 @@ its state through a real checkpoint (``Checkpointer(..., extra=...)``) continues
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +171,27 @@ def test_a_state_that_is_not_get_states_is_refused_and_changes_nothing():
         means.add({"loss": 1.0, "examples": 2.0})  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"`parent` must be a RunningMeans or None, got dict"):
         RunningMeans(parent={})  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_state_read_later_is_the_state_at_the_call_whatever_follows(seed):
+    """``get_state_later`` (what in-memory snapshots read in their writer) at drawn points of a run, some steps read
+    before it and some pending: called after more steps were added, computed, and the means reset, it returns what
+    ``get_state`` returned at the call, for the window and the epoch that counts it (``jddp.fit``'s pair)."""
+    from jddp.loop import _Means
+
+    table = rows(seed, 30)
+    draws = np.random.default_rng(seed)
+    cut, read_at = sorted(draws.choice(np.arange(1, 30), 2, replace=False))
+    live, twin = _Means(), _Means()
+    for i, row in enumerate(table):
+        metrics = Metrics(NAMES, jnp.asarray(row, jnp.float32))
+        for means in (live, twin) if i < cut else (live,):
+            means.window.add(metrics)
+        if i == read_at and i < cut:
+            live.window.compute()  # some steps read already
+        if i == cut - 1:
+            later = live.get_state_later()
+    live.window.compute()
+    live.window.reset()
+    assert json.dumps(later()) == json.dumps(twin.get_state())  # as written to a snapshot (NaN, a skipped loss)

@@ -436,11 +436,14 @@ class Checkpointer:
         if saved:
             self.save(state, loader, extra=extra)
         if snaps is not None and step % self._preemption.snapshot_every == 0:
+            # An `extra` with get_state_later (jddp.fit's running means) is read by the writer: its get_state would
+            # wait for this step's metrics, and the loop would no longer run ahead of the devices.
+            later = getattr(extra, "get_state_later", None)
             snaps.take(
                 step,
                 restore.as_dict(state),
                 loader.get_state() if loader is not None else None,
-                extra.get_state() if extra is not None else None,
+                later() if callable(later) else extra.get_state() if extra is not None else None,
             )
             self.stats["snapshots"], self.stats["snapshot_s"] = snaps.taken, snaps.seconds
         return saved

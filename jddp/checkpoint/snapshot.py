@@ -223,7 +223,8 @@ class Snapshots:
     # -------------------------------------------------------------- taking
     def take(self, step: int, tree: dict, loader_state: Any, extra_state: Any) -> None:
         """Starts a snapshot of ``tree`` (the state's arrays by field) at ``step``; returns once the copy is
-        dispatched. The previous snapshot's write is awaited first (one at a time)."""
+        dispatched. The previous snapshot's write is awaited first (one at a time). ``extra_state``: JSON, or a
+        function the writer calls for it."""
         start = time.perf_counter()
         waited = self._join()
         signature = (jax.tree.structure(tree), tuple(x.sharding for x in jax.tree.leaves(tree)))
@@ -279,6 +280,8 @@ class Snapshots:
     def _write(self, pending: _Pending, main_s: float) -> None:
         cpu = time.thread_time()
         hosts = [np.asarray(b) for b in pending.buffers]  # waits for the copies; a view, no copy, on CPU
+        if callable(pending.header["extra"]):  # an extra state to read now (Checkpointer.maybe_save)
+            pending.header["extra"] = pending.header["extra"]()
         crc = 0
         for h in hosts:
             crc = zlib.crc32(h.data, crc)

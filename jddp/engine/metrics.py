@@ -132,15 +132,45 @@ class RunningMeans:
         if self._pending:
             with watchdog.waiting():  # the steps' outputs: in a group, they need every peer
                 rows = jax.device_get([m.packed for m in self._pending])
-            for m, row in zip(self._pending, rows, strict=True):
-                m._store(row)  # read once: dict(m) no longer waits
-                self._absorb(dict(m), m._weights)
-            self._pending = []
+            self._take(rows)
         out = {k: v / self._totals[k] if self._totals.get(k, 0) > 0 else 0.0 for k, v in self._sums.items()}
         out.update(examples=self._examples, steps=self._steps)
         if self._skipped or "nonfinite" in self.last:
             out["nonfinite"] = self._skipped
         return out
+
+    def _take(self, rows: list) -> None:
+        """The pending steps' metrics, read: counted."""
+        for m, row in zip(self._pending, rows, strict=True):
+            m._store(row)  # read once: dict(m) no longer waits
+            self._absorb(dict(m), m._weights)
+        self._pending = []
+
+    def _detached(self, parent: RunningMeans | None = None) -> RunningMeans:
+        """A copy that shares nothing this one changes later: its pending steps are new ``Metrics`` of the same
+        device values (never donated), read when the copy is."""
+        copy = RunningMeans(parent)
+        copy._pending = [Metrics(m.names, m.packed) for m in self._pending]
+        copy._sums, copy._totals, copy.last = dict(self._sums), dict(self._totals), dict(self.last)
+        copy._examples, copy._steps, copy._skipped = self._examples, self._steps, self._skipped
+        return copy
+
+    def _read_detached(self) -> None:
+        """A detached copy's pending steps read, from any thread (the main thread's watchdog state untouched)."""
+        if self._pending:
+            self._take(jax.device_get([m.packed for m in self._pending]))
+
+    def get_state_later(self):
+        """``get_state`` without waiting for the pending steps: a function that returns what ``get_state`` returns
+        now, to call later from another thread (``jddp.Checkpointer``'s in-memory snapshots do: reading the metrics
+        of every step would make the loop wait for each step)."""
+        copy = self._detached()
+
+        def state() -> dict:
+            copy._read_detached()
+            return copy.get_state()
+
+        return state
 
     def get_state(self) -> dict:
         """The sums so far (pending steps read first), JSON-able: for a checkpoint, so that a resumed run's means
