@@ -587,6 +587,37 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{C}::test_restore_onto_other_device_counts_continues_the_same_batches",),
     ),
     Mutant(
+        "snapshot_published_before_written",
+        CKPT,
+        "each written beside them and renamed when complete, with a CRC-32: a kill during a write leaves the older "
+        "ones.",
+        "a snapshot is written straight into its step's file (the oldest's pages reused there): a kill mid-write "
+        "leaves a torn file under a step's name",
+        (
+            _p(
+                "jddp.checkpoint.snapshot:Snapshots._write",
+                ("    target = self.folder / WRITING\n", '    target = self.folder / f"{pending.step}{SUFFIX}"\n'),
+            ),
+        ),
+        (
+            "tests/test_snapshot.py::test_a_kill_at_any_point_of_a_write_leaves_the_complete_snapshots_and_no_torn_one",
+            "tests/test_snapshot.py::test_a_real_sigkill_during_writes_leaves_complete_snapshots_only",
+        ),
+    ),
+    Mutant(
+        "snapshot_older_than_the_disk",
+        CKPT,
+        "restores the newest step that every process holds, when it is not older than the disk's newest",
+        "the snapshot steps tried ignore the disk: a restart restores an older snapshot over a newer checkpoint",
+        (
+            _p(
+                "jddp.checkpoint.snapshot:choose",
+                ("if s >= newest_disk), reverse=True)", "), reverse=True)"),
+            ),
+        ),
+        ("tests/test_snapshot.py::test_the_steps_tried_are_those_every_process_holds_not_older_than_any_disk_step",),
+    ),
+    Mutant(
         "sigterm_not_noticed",
         CKPT,
         "A single process stops at the next ``maybe_save``.",
