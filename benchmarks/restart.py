@@ -1,7 +1,7 @@
 """Restart time: from a SIGKILL to the first step of the restarted group, with and without the compilation cache,
 with and without the launcher's spare processes.
 
-    python -m benchmarks.restart [--repeats 10] [--seed 0] [--no-fresh]
+    python -m benchmarks.restart [--repeats 10] [--seed 0] [--no-fresh] [--modes "warm,warm no-spares disk"]
 
 Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, 10 epochs, a checkpoint every
 20 steps) under ``jddp launch -n 2 --max-restarts 3``, and SIGKILLs one worker once per run, at a step and a
@@ -61,15 +61,18 @@ HANDED = "handed to their spares"
 
 
 def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_timeout: float) -> dict | None:
-    """One run in ``mode`` (``cold``/``warm``, `` no-spares`` appended for ``--no-spares``), killed after
-    ``kill_step`` (None: no kill, the fresh start's first step only)."""
+    """One run in ``mode`` (``cold``/``warm``; `` no-spares`` in it for ``--no-spares``, `` disk`` for
+    ``JDDP_SNAPSHOTS=0``: the restore from disk), killed after ``kill_step`` (None: no kill, the fresh start's first
+    step only)."""
     from jddp import goodput
 
-    spares = not mode.endswith("no-spares")
+    spares = "no-spares" not in mode
     with tempfile.TemporaryDirectory() as run_dir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("XLA_FLAGS", None)
         env["JDDP_COMPILATION_CACHE"] = "0" if mode.startswith("cold") else cache_dir
+        if "disk" in mode:
+            env["JDDP_SNAPSHOTS"] = "0"
         argv = [
             sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", "--peer-timeout", str(peer_timeout),
             *([] if spares else ["--no-spares"]),
@@ -132,6 +135,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             "restore_s": new["restore_s"],
             "first_step_s": new["first_step_end"] - new["fit_start"] - new["restore_s"],
             "redone_steps": old["last_step"] - new["first_step"],
+            "from_memory": float(goodput.RESTORED_FROM[int(new["restored_from"])] in ("memory", "peer")),
             "killed_after_step": old["last_step"],
             "restored_step": new["first_step"],
         }
@@ -158,9 +162,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-timeout", type=float, default=30.0)
     parser.add_argument("--no-fresh", action="store_true", help="skip the fresh starts without a kill")
+    parser.add_argument(
+        "--modes",
+        default="cold,cold no-spares,warm,warm no-spares",
+        help="comma-separated: cold or warm, with ' no-spares' (--no-spares) and ' disk' (JDDP_SNAPSHOTS=0: the "
+        "restore from disk, as before in-memory snapshots) in it",
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    modes = ["cold", "cold no-spares", "warm", "warm no-spares"]
+    modes = [m.strip() for m in args.modes.split(",")]
     print(f"restart benchmark: seed {args.seed}, {args.repeats} kills per mode, load {os.getloadavg()[0]:.2f}")
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     first_steps: dict[str, list[float]] = {"cold": [], "warm": []}
