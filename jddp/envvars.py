@@ -111,6 +111,14 @@ VARIABLES: dict[str, Variable] = _declare(
         "in-memory snapshots where JDDP_SNAPSHOT_DIR is set (the default of Checkpointer(snapshots=None)); 0 turns "
         "them off",
     ),
+    Variable(
+        "JDDP_SNAPSHOT_EVERY",
+        "int",
+        None,
+        "a fixed number of steps between in-memory snapshots (the default of Checkpointer(snapshot_every=None); "
+        "unset: sized by their measured cost)",
+        minimum=1,
+    ),
     # set by jddp launch for each process: for the script to read
     Variable("JDDP_LOCAL_RANK", "int", None, "this process's index on its node (jddp launch)", internal=True),
     Variable("JDDP_RESTART_COUNT", "int", 0, "the attempt: 0 first, then 1 per restart (jddp launch)", internal=True),

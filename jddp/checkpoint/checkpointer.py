@@ -81,7 +81,8 @@ class Checkpointer:
       snapshot_budget: the share of the step time snapshots may take; the
         steps between snapshots adapt to it (measured), 1 when they cost less.
       snapshot_every: a fixed number of steps between snapshots instead
-        (``snapshot_budget`` is then not used).
+        (``snapshot_budget`` is then not used); None: ``$JDDP_SNAPSHOT_EVERY``
+        if set.
 
     Raises:
       CheckpointLeaseError: if another run writes to ``directory``.
@@ -193,7 +194,7 @@ class Checkpointer:
                 self.directory,
                 fingerprint=self.fingerprint,
                 budget=float(snapshot_budget),
-                every=snapshot_every,
+                every=snapshot_every if snapshot_every is not None else envvars.get("JDDP_SNAPSHOT_EVERY"),
             )
         # After a restore_or_init that restored: "memory" (every process its own snapshot), "peer" (a snapshot sent
         # by another process to those whose memory was lost) or "disk".
