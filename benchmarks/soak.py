@@ -9,10 +9,10 @@ every epoch and a metrics record every 10 steps. Every ``--interval`` seconds it
 memory (``VmRSS`` in ``/proc/<pid>/status``, and the anonymous part, ``Anonymous`` in ``smaps_rollup``), its open
 file descriptors and threads, with the step reached (process 0's goodput ledger, ``jddp.goodput``). It prints,
 per process, the slope of RSS and of anonymous memory over the steps after warm-up (a least-squares line through
-the samples of the second half of the steps, in MB per 1000 steps; the goal is under 0.2), the memory at the
-start and end of that half, and the descriptors and threads first and last; the load average at the start and
-the end, and the run's last line (``jddp.fit``'s: the steps, and the in-memory snapshots taken and their interval at
-the end). ``--out FILE`` also writes every sample as JSON.
+the samples of the second half of the steps, before the last step's, in MB per 1000 steps; the goal is under 0.2),
+the memory at the start and end of that half, and the descriptors and threads first and last; the load average at
+the start and the end, and the run's last line (``jddp.fit``'s: the steps, and the in-memory snapshots taken and
+their interval at the end). ``--out FILE`` also writes every sample as JSON.
 
 In-memory snapshots (``jddp.checkpoint.snapshot``) are jddp's default under ``jddp launch``: on, their interval
 adapting to their cost (every step where they cost little); ``--no-snapshots`` turns them off
@@ -138,7 +138,9 @@ def report(args, samples: dict[int, list[dict]]) -> list[dict]:
     rows = []
     for rank, points in sorted(samples.items()):
         last_step = max(p["step"] for p in points)
-        late = [p for p in points if p["step"] >= last_step / 2]
+        # The second half of the steps, without the samples at the last step: the run's end (the final evaluation,
+        # the loss plot, closing) is not the steady state.
+        late = [p for p in points if last_step / 2 <= p["step"] < last_step] or points
         rows.append(
             {
                 "process": rank,
