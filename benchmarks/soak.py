@@ -15,8 +15,9 @@ the start and the end, and the run's last line (``jddp.fit``'s: the steps, and t
 their interval at the end). ``--out FILE`` also writes every sample as JSON.
 
 In-memory snapshots (``jddp.checkpoint.snapshot``) are jddp's default under ``jddp launch``: on, their interval
-adapting to their cost (every step where they cost little); ``--no-snapshots`` turns them off
-(``JDDP_SNAPSHOTS=0``), to tell their memory from the saves'. ``--set key=value`` passes an override to the example
+adapting to their cost (every step where they cost little); ``--snapshot-every N`` fixes the interval
+(``JDDP_SNAPSHOT_EVERY``; 1 for the issue's soak), ``--no-snapshots`` turns them off (``JDDP_SNAPSHOTS=0``), to
+tell their memory from the saves'. ``--set key=value`` passes an override to the example
 (repeatable).
 """
 
@@ -96,6 +97,8 @@ def run(args) -> tuple[int, dict[int, list[dict]]]:
         env.pop("XLA_FLAGS", None)
         if args.no_snapshots:
             env["JDDP_SNAPSHOTS"] = "0"
+        if args.snapshot_every:
+            env["JDDP_SNAPSHOT_EVERY"] = str(args.snapshot_every)
         argv = [
             sys.executable, "-m", "jddp.launch", "-n", "2",
             *(["--no-malloc-tuning"] if args.no_malloc_tuning else []),
@@ -169,16 +172,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20000, help="at least this many steps (whole epochs)")
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--no-snapshots", action="store_true", help="in-memory snapshots off (JDDP_SNAPSHOTS=0)")
+    parser.add_argument("--snapshot-every", type=int, default=0, help="steps between snapshots (0: sized by cost)")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between samples")
     parser.add_argument("--no-malloc-tuning", action="store_true", help="jddp launch's flag of the same name")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override of the example")
     parser.add_argument("--out", default=None, help="also write the samples and the slopes here (JSON)")
     args = parser.parse_args()
-    if args.steps < 2 or args.save_every < 1 or args.interval <= 0:
+    if args.steps < 2 or args.save_every < 1 or args.interval <= 0 or args.snapshot_every < 0:
         parser.error(f"--steps must be >= 2, --save-every >= 1 and --interval > 0, got {args}")
     load = os.getloadavg()
+    snapshots = "off" if args.no_snapshots else f"every {args.snapshot_every or '(by cost)'}"
     print(
-        f"soak: {args.steps} steps, a save every {args.save_every}, snapshots {'off' if args.no_snapshots else 'on'}, "
+        f"soak: {args.steps} steps, a save every {args.save_every}, snapshots {snapshots}, "
         f"malloc tuning {'off' if args.no_malloc_tuning else 'on'}; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
         flush=True,
     )
