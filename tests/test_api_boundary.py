@@ -233,6 +233,7 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.RunningMeans.add": lambda c: Call(jddp.RunningMeans().add, {"metrics": c.metrics}),
     "jddp.RunningMeans.compute": lambda c: Call(jddp.RunningMeans().compute, {}),
     "jddp.RunningMeans.get_state": lambda c: Call(jddp.RunningMeans().get_state, {}),
+    "jddp.RunningMeans.get_state_later": lambda c: Call(jddp.RunningMeans().get_state_later, {}),
     "jddp.RunningMeans.reset": lambda c: Call(jddp.RunningMeans().reset, {}),
     "jddp.RunningMeans.set_state": lambda c: Call(jddp.RunningMeans().set_state, {"state": running_state(c)}),
     "jddp.TrainState": lambda c: Call(jddp.TrainState, state_fields(c.state())),

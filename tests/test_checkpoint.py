@@ -714,13 +714,25 @@ def assert_same_run(out: Path, reference, context: str = "") -> list[dict]:
 
 @pytest.mark.multiprocess
 def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_reference):
-    """jddp launch --max-restarts 3; process 1 SIGKILLs itself at two random steps."""
+    """jddp launch --max-restarts 3; process 1 SIGKILLs itself at two random steps (before its maybe_save there).
+    Each restart restores from memory: process 1 keeps no snapshot of the replicated state (its host's first process
+    does), so process 0's newest is sent to it ("peer"): the kill's step (if process 0 finished it), or one or two
+    before; the disk (a save every 4 steps) only when its step is newer."""
     rng, named = replay.rng()
     kills = sorted(int(k) for k in rng.choice(np.arange(5, 28), 2, replace=False))
-    done = launch_worker(tmp_path, f"{kills[0]},{kills[1]}")
-    assert done.returncode == 0, f"kills at {kills}, {named}\n{done.stdout}\n{done.stderr}"
+    done = launch_worker(tmp_path, f"{kills[0]},{kills[1]}", env={"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory")})
+    shown = f"kills at {kills}, {named}\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, shown
     log = assert_same_run(tmp_path, two_process_reference, f"kills at {kills}, {named}")
     assert {r["attempt"] for r in log} == {0, 1, 2}, f"kills at {kills}, {named}"
+    resumed = [
+        (int(s), int(a), f) for s, a, f in re.findall(r"RESUMED at step (\d+) attempt (\d) from (\w+)", done.stdout)
+    ]
+    assert [a for _, a, _ in resumed] == [0, 1, 2] and resumed[0][2] == "None", shown
+    for (step, _, source), kill in zip(resumed[1:], kills, strict=True):
+        disk = (kill - 1) // 4 * 4  # the newest save before the kill (the one at the kill's step is never made)
+        assert max(kill - 2, disk) <= step <= kill, shown
+        assert source == "peer" or (source == "disk" and step == disk), shown  # disk: a newer step than memory
 
 
 @pytest.mark.multiprocess
@@ -820,18 +832,3 @@ def test_saved_by_two_processes_restored_by_one(tmp_path):
     reference = {r["step"]: r["ids"] for r in read_consumed(clean / "consumed.jsonl")}
     for record in read_consumed(out / "consumed.jsonl"):
         assert record["ids"] == reference[record["step"]]
-
-
-@pytest.mark.multiprocess
-def test_a_process_whose_memory_is_lost_restores_a_peers_snapshot_bitwise_equal(tmp_path, two_process_reference):
-    """Process 1 is killed after step 10, and after step 19, and restarts each time with no snapshot (as on a
-    replaced host; under jddp launch it keeps none of a replicated state anyway: its host's first process does).
-    Process 0's newest snapshot is sent to it: step 9 (8 if the launcher stopped process 0 while it wrote 9), then 18
-    (or 17), where the disk holds 8 and 16; the run ends bitwise equal to the uninterrupted one."""
-    done = launch_worker(tmp_path, "10,19", env={"LOSE_MEMORY": "1", "JDDP_SNAPSHOT_DIR": str(tmp_path / "memory")})
-    shown = f"{done.stdout}\n{done.stderr}"
-    assert done.returncode == 0, shown
-    resumed = [(int(s), a, f) for s, a, f in re.findall(r"RESUMED at step (\d+) attempt (\d) from (\w+)", done.stdout)]
-    assert [(a, f) for _, a, f in resumed] == [("0", "None"), ("1", "peer"), ("2", "peer")], shown
-    assert resumed[1][0] in (8, 9) and resumed[2][0] in (17, 18), shown
-    assert_same_run(tmp_path, two_process_reference, "memory lost")
