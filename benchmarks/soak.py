@@ -33,27 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.restart import workers
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
 CONFIG = ROOT / "configs" / "mnist1d_mlp.yaml"
 TRAIN_EXAMPLES, GLOBAL_BATCH = 4000, 128  # the example's defaults: 80% of 5000 examples, 128 per step
-
-
-def workers(launcher: int) -> list[int]:
-    """The launcher's Python worker processes (not the coordination service), in start order."""
-    try:
-        pids = [int(p) for p in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()]
-    except OSError:
-        return []
-    out = []
-    for pid in pids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(part.endswith(b"train.py") for part in cmd):
-            out.append(pid)
-    return out
 
 
 def sample(pid: int) -> dict[str, float] | None:

@@ -191,7 +191,8 @@ def test_a_state_read_later_is_the_state_at_the_call_whatever_follows(seed):
         if i == read_at and i < cut:
             live.window.compute()  # some steps read already
         if i == cut - 1:
-            later = live.get_state_later()
+            later, window_later = live.get_state_later(), live.window.get_state_later()
     live.window.compute()
     live.window.reset()
     assert json.dumps(later()) == json.dumps(twin.get_state())  # as written to a snapshot (NaN, a skipped loss)
+    assert json.dumps(window_later()) == json.dumps(twin.window.get_state())

@@ -121,14 +121,13 @@ class _Layout:
 
     leaves: list[list]  # [path, shape, dtype, key implementation or None]
     shards: list[list]  # [leaf, index, device position, offset in its device's buffer, nbytes]
-    devices: list  # the local devices whose buffers are written, in order
     picks: list[list[tuple[int, int]]]  # per device: (leaf, local shard position) in buffer order
     whole: bool  # every leaf whole (replicated): every process of the host holds the same snapshot
 
 
 def _layout(tree) -> _Layout:
     paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    leaves, shards, devices, picks = [], [], [], []
+    leaves, shards, picks = [], [], []
     device_at: dict[Any, int] = {}
     offsets: list[int] = []
     for i, (path, x) in enumerate(paths_leaves):
@@ -147,8 +146,7 @@ def _layout(tree) -> _Layout:
                 continue
             seen.add(index)
             if shard.device not in device_at:
-                device_at[shard.device] = len(devices)
-                devices.append(shard.device)
+                device_at[shard.device] = len(picks)
                 picks.append([])
                 offsets.append(0)
             d = device_at[shard.device]
@@ -157,7 +155,7 @@ def _layout(tree) -> _Layout:
             picks[d].append((i, position))
             offsets[d] += nbytes
     whole = all([list(p) for p in index] == [[0, n] for n in leaves[leaf][1]] for leaf, index, *_ in shards)
-    return _Layout(leaves, shards, devices, picks, whole)
+    return _Layout(leaves, shards, picks, whole)
 
 
 @dataclasses.dataclass

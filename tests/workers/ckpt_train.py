@@ -10,8 +10,7 @@ TERM_AT=step makes that process send SIGTERM after that step in attempt 0: to it
 TERM_TO=launcher to its parent (``jddp launch``, which forwards it to every process); it then
 pauses for TERM_PAUSE seconds (default 0), so that the notice reaches every process while the
 run still has steps to go. A process stopped by preemption prints its step before exiting.
-LOSE_MEMORY=1 makes that process delete its in-memory snapshots before restoring in attempts after the first (as a
-replaced host would have none). PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1).
+PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1).
 RAISE_AT=step makes process 0
 raise right after that step's ``maybe_save`` in attempt 0 (an unhandled exception while its async save is written).
 KILL_HOST_AT=step makes process 1 SIGKILL its launcher and itself after that step in attempt 0 (a lost host).
@@ -76,11 +75,6 @@ ckpt = jddp.Checkpointer(
     preemption_check_s=float(os.environ.get("PREEMPTION_CHECK_S", "1")),
     snapshot_every=1,  # deterministic: every step (the default is sized by its measured cost)
 )
-if attempt > 0 and os.environ.get("LOSE_MEMORY") and jax.process_index() == killer and ckpt._snapshots is not None:
-    import shutil
-
-    shutil.rmtree(ckpt._snapshots.folder)  # as on a host that was replaced: its memory is gone
-    ckpt._snapshots.folder.mkdir()
 state, loader = ckpt.restore_or_init(state, loader)
 step = int(state.step)
 kill_launcher_at = int(os.environ.get("KILL_LAUNCHER_AT", "-1"))
