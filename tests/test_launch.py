@@ -27,6 +27,7 @@ from jddp.engine import parallel as _parallel  # noqa: F401
 from jddp.runtime import host as _host  # noqa: F401
 from jddp.runtime import progress as _progress
 from tests import models, multiprocess
+from tests.workers import train_mlp
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,32 +46,33 @@ def test_every_topology_trains_to_the_same_parameters(tmp_path):
     """2 processes x 2 devices and 4 x 1 equal 1 process x 4 devices and one device (1e-6, 20 AdamW steps).
 
     Process 1 starts from other parameters: init must broadcast process 0's. Every
-    step spanning several processes reduces one fused buffer (one operand: one gloo ring pass).
+    step spanning several processes reduces one fused buffer (one operand: one gloo ring pass). The one-process
+    runs are this process's, on 1 and 4 of its devices; every process reads the data this test writes once.
     """
-    outputs = {}
+    import jax
+
+    data = train_mlp.data_file(tmp_path / "data.npz")
+    outputs, params = {}, {}
     for name, devices in (("1x1", 1), ("1x4", 4)):
-        done = subprocess.run(
-            [sys.executable, TRAIN, str(tmp_path / f"{name}.npz")],
-            env=multiprocess.environment(JDDP_LOCAL_DEVICES=str(devices)),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr
-        outputs[name] = done.stdout
+        mesh = jddp.data_mesh(jax.devices()[:devices])
+        params[name], metrics, report = train_mlp.train(mesh, train_mlp.load(data))
+        outputs[name] = train_mlp.result_line(mesh, metrics, report)
     for name, n, d in (("2x2", 2, 2), ("4x1", 4, 1)):
-        done = multiprocess.launch("-n", str(n), "--devices-per-process", str(d), TRAIN, str(tmp_path / f"{name}.npz"))
+        done = multiprocess.launch(
+            "-n", str(n), "--devices-per-process", str(d), TRAIN, str(tmp_path / f"{name}.npz"),
+            env={"TRAIN_MLP_DATA": data},
+        )  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         outputs[name] = done.stdout
         assert f"processes={n}" in done.stdout
+        params[name] = dict(np.load(tmp_path / f"{name}.npz"))
     assert "allreduce_ops=1 " in outputs["1x4"], outputs["1x4"]  # one op; per-leaf operands within one process
     for name in ("2x2", "4x1"):  # several processes: one fused operand, one gloo ring pass
         assert "allreduce_ops=1 operands=1" in outputs[name], (name, outputs[name])
-    reference = dict(np.load(tmp_path / "1x1.npz"))
+    reference = params["1x1"]
     for name in ("1x4", "2x2", "4x1"):
-        params = dict(np.load(tmp_path / f"{name}.npz"))
-        assert params.keys() == reference.keys()
-        worst = models.max_diff(params, reference)  # NaN fails too
+        assert params[name].keys() == reference.keys()
+        worst = models.max_diff(params[name], reference)  # NaN fails too
         assert worst <= 1e-6, (name, worst)
 
 
