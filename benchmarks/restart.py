@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from jddp.cli import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
 CONFIG = ROOT / "configs" / "mnist1d_mlp.yaml"
@@ -56,8 +58,9 @@ def workers(launcher: int) -> list[int]:
     return out
 
 
-SPARES_READY = "spare process(es) ready for a restart"  # jddp.cli.launch's line
+SPARES_READY = "spare process(es) ready for a restart"  # jddp.cli.launch's lines
 HANDED = "handed to their spares"
+WOKEN = "woken from standby"
 
 
 def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_timeout: float) -> dict | None:
@@ -67,6 +70,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
     from jddp import goodput
 
     spares = "no-spares" not in mode
+    standby = spares and "no-standby" not in mode
     with tempfile.TemporaryDirectory() as run_dir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("XLA_FLAGS", None)
@@ -75,7 +79,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             env["JDDP_SNAPSHOTS"] = "0"
         argv = [
             sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", "--peer-timeout", str(peer_timeout),
-            *([] if spares else ["--no-spares"]),
+            *([] if spares else ["--no-spares"]), *([] if standby or not spares else ["--no-standby"]),
             str(SCRIPT), f"config={CONFIG}", "epochs=10", "progress=false", "save_every=20",
             f"log_dir={run_dir}/log", f"checkpoint_dir={run_dir}/ckpt",
         ]  # fmt: skip
@@ -89,7 +93,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             assert launcher.stderr is not None
             for line in launcher.stderr:
                 said.append(line)
-                if SPARES_READY in line:
+                if (launch.STANDBY_READY if standby else SPARES_READY) in line:
                     ready.set()
 
         reader = threading.Thread(target=read, daemon=True)
@@ -124,8 +128,10 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             print(f"  {mode}: expected one restart, found {len(ledgers)} attempts", flush=True)
             return None
         old, new = goodput.read(ledgers[0]), goodput.read(ledgers[1])
-        if spares != any(HANDED in line for line in said):
-            print(f"  {mode}: the restart {'did not use' if spares else 'used'} spares", flush=True)
+        woken, handed = (any(text in line for line in said) for text in (WOKEN, HANDED))
+        used = "standby" if woken else "spares" if handed else ""
+        if used != ("standby" if standby else "spares" if spares else ""):
+            print(f"  {mode}: the restart used {used or 'no spares'}", flush=True)
             return None
         return {
             "kill_to_first_step_s": new["first_step_end"] - killed_at,

@@ -145,6 +145,13 @@ VARIABLES: dict[str, Variable] = _declare(
         internal=True,
     ),
     Variable("JDDP_LEDGER_NOTE", "path", None, "where process 0 writes its goodput ledger's path", internal=True),
+    Variable(
+        "JDDP_STANDBY_FD",
+        "int",
+        None,
+        "a standby process's socket to its launcher: the script waits there before its restore (jddp.runtime.standby)",
+        internal=True,
+    ),
 )
 
 

@@ -60,7 +60,7 @@ from jddp import exitcodes, goodput, logs, validate
 from jddp.data import loader as loader_lib
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import parallel
-from jddp.runtime import distributed, progress
+from jddp.runtime import distributed, progress, standby
 from jddp.runtime import state as state_lib
 
 CONFIG_FILE = "config.yaml"
@@ -309,6 +309,9 @@ class _Run:
             self.times[key] += time.perf_counter() - start
 
     def __call__(self, state, log_dir: Path | None, config, config_text: str | None) -> FitResult:
+        if standby.active():  # the next attempt's process, started before the failure (jddp launch): ready it, wait
+            self.compile_ahead(state)
+            standby.wait()
         start, fit_start = time.perf_counter(), time.time()
         if self.ckpt is not None:
             with self.timed("restore_s"):
@@ -362,6 +365,19 @@ class _Run:
             )
         )
         return FitResult(state, self.history, self.final_eval, summary)
+
+    def compile_ahead(self, state) -> None:
+        """Compiles the step for ``state`` and the loader's batches (``DataParallel.compile``), the loader's position
+        put back: the restored state has ``state``'s shapes and shardings, so the first step runs at once."""
+        position = self.loader.get_state()
+        iterator = iter(self.loader)
+        try:
+            batch = next(iterator, None)
+        finally:
+            iterator.close()
+            self.loader.set_state(position)
+        if batch is not None:
+            self.dp.compile(state, batch)
 
     def start_run(self, log_dir: Path, first: int, fit_start: float) -> None:
         """Process 0: the run this call belongs to (``jddp.goodput``; refused here under ``other_runs="refuse"``,

@@ -160,3 +160,29 @@ def test_the_snapshot_directory_of_a_killed_launcher_is_removed_by_the_next_and_
     done = multiprocess.launch(str(script), env={"JDDP_SNAPSHOT_DIR": str(mine)})
     assert done.returncode == 0 and f"[0] SNAPSHOT {mine} " in done.stdout, done.stdout + done.stderr
     assert mine.is_dir()  # the user's own: never removed by the launcher
+
+
+STANDBY_STEPS = str(multiprocess.WORKERS / "standby_steps.py")
+
+
+def test_a_standby_that_dies_is_replaced_by_new_processes_and_one_never_woken_never_trains(tmp_path):
+    """A loop of the script's own (no jddp.fit, no Checkpointer: standby waits at its first ``DataParallel.step``).
+    The standby process of attempt 1 raises before it stands by: the launcher says so with what it printed, and the
+    restart starts new processes. Attempt 2's standby processes stand by (the launcher says so) and are never woken:
+    they take no step, and their output is dropped."""
+    done = multiprocess.launch("-n", "2", "--max-restarts", "2", "--peer-timeout", "10", STANDBY_STEPS, str(tmp_path),
+                               timeout=240)  # fmt: skip
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown
+    assert "the standby process for process 1 ended before it stood by (failed with exit code 1)" in done.stderr, shown
+    assert "[1] RuntimeError: STANDBY DIES" in done.stderr, shown  # what it printed, released
+    assert "0 of 2 standby process(es) stood by at the failure: ending them, starting the processes anew" in shown
+    assert done.stderr.count(launch_lib.STANDBY_READY) == 1, shown  # attempt 2's, during attempt 1
+    notes = [line.split() for line in (tmp_path / "notes").read_text().splitlines()]
+    ready = {(int(a), int(p)): pid for kind, a, p, pid, *_ in notes if kind == "READY"}
+    assert set(ready) == {(a, p) for a in range(3) for p in range(2)}, notes
+    steps = {(int(a), int(p), pid) for kind, a, p, pid, *_ in notes if kind == "STEP"}
+    assert {(a, p) for a, p, _ in steps} == {(a, p) for a in range(2) for p in range(2)}, notes  # none in attempt 2
+    assert {pid for *_, pid in steps} == {ready[a, p] for a in range(2) for p in range(2)}
+    assert [n[-1] for n in notes if n[:3] == ["STEP", "1", "0"]][-1] == "29"
+    assert not [line for line in done.stdout.splitlines() if not line.startswith(("[0] ", "[1] "))], done.stdout

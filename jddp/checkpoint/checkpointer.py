@@ -30,7 +30,7 @@ from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, lease, preemption, restore, snapshot, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
 from jddp.checkpoint.restore import DAMAGED_SUFFIX, EXTRA, LOADER, META, STATE
-from jddp.runtime import dispatch, distributed, progress, watchdog
+from jddp.runtime import dispatch, distributed, progress, standby, watchdog
 from jddp.runtime.state import TrainState
 
 
@@ -156,16 +156,60 @@ class Checkpointer:
         self.read_only = read_only
         self._lease: lease.Lease | None = None
         self._closed = self._closing = False
-        if not read_only:
-            storage.check_writable(self.directory, probe=jax.process_index() != 0 or storage.is_remote(self.directory))
-            self._lease = lease.take(self.directory, float(lease_timeout_s))
         self.save_every, self.max_to_keep = save_every, max_to_keep
         self.fingerprint, self.config = fingerprint
         self.allow_config_change = allow_config_change
         self.exit_on_preemption = exit_on_preemption
         self.preempted = False
+        self._pending: concurrent.futures.Future | None = None
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._snapshots: snapshot.Snapshots | None = None
+        self._preemption: preemption.Preemption | None = None
+        # After a restore_or_init that restored: "memory" (every process its own snapshot), "peer" (a snapshot sent
+        # by another process to those whose memory was lost) or "disk".
+        self.restored_from: str | None = None
+        self._step: int | None = None  # host-side step, the same on every process
+        self._last_saved: int | None = None
+        self._unconfirmed: list[int] = []  # steps handed to Orbax and not yet known written
+        self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0, "snapshots": 0, "snapshot_s": 0.0}
+        self.damaged: list[tuple[int, str]] = []  # (step, reason) of each checkpoint set aside by a restore
+        start = functools.partial(
+            self._start,
+            lease_timeout_s=float(lease_timeout_s),
+            async_save=async_save,
+            timeout_s=timeout_s,
+            preemption_check_s=float(preemption_check_s),
+            snapshot_root=snapshot_root,
+            snapshots=snapshots,
+            snapshot_budget=float(snapshot_budget),
+            snapshot_every=snapshot_every,
+        )
+        # What touches the directory (the lease, Orbax's manager and its cleanup) waits in a standby process of the
+        # next attempt (jddp launch) until it is woken: the attempt it stands by for still writes there.
+        if standby.active():
+            standby.on_wake(start)
+        else:
+            start()
+
+    def _start(
+        self,
+        *,
+        lease_timeout_s: float,
+        async_save: bool,
+        timeout_s: int,
+        preemption_check_s: float,
+        snapshot_root,
+        snapshots: bool | None,
+        snapshot_budget: float,
+        snapshot_every: int | None,
+    ) -> None:
+        """The directory's part of ``__init__``: its lease, Orbax's manager, the writer, snapshots, SIGTERM."""
+        read_only = self.read_only
+        if not read_only:
+            storage.check_writable(self.directory, probe=jax.process_index() != 0 or storage.is_remote(self.directory))
+            self._lease = lease.take(self.directory, lease_timeout_s)
         self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max_to_keep,
+            max_to_keep=None if read_only else self.max_to_keep,
             create=not read_only,
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
@@ -181,31 +225,20 @@ class Checkpointer:
         storage.OrbaxErrorLogs.hold()
         # Alone on CPU, Orbax's blocking part of an async save (an event loop, several threads started, the
         # copy as views) runs in this thread while training goes on; the caller only pins the buffers.
-        self._writer = None
         if async_save and not read_only and jax.process_count() == 1:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-checkpoint")
             self._writer.submit(lambda: None)  # starts its thread now, not during the first save
-        self._pending: concurrent.futures.Future | None = None
-        self._snapshots: snapshot.Snapshots | None = None
         wanted = snapshots if snapshots is not None else envvars.get("JDDP_SNAPSHOTS")
         if snapshot_root is not None and wanted and not read_only:
             self._snapshots = snapshot.Snapshots(
                 snapshot_root,
                 self.directory,
                 fingerprint=self.fingerprint,
-                budget=float(snapshot_budget),
+                budget=snapshot_budget,
                 every=snapshot_every if snapshot_every is not None else envvars.get("JDDP_SNAPSHOT_EVERY"),
             )
-        # After a restore_or_init that restored: "memory" (every process its own snapshot), "peer" (a snapshot sent
-        # by another process to those whose memory was lost) or "disk".
-        self.restored_from: str | None = None
         # A reader never saves, so it leaves SIGTERM alone.
-        self._preemption = None if read_only else preemption.Preemption(float(preemption_check_s))
-        self._step: int | None = None  # host-side step, the same on every process
-        self._last_saved: int | None = None
-        self._unconfirmed: list[int] = []  # steps handed to Orbax and not yet known written
-        self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0, "snapshots": 0, "snapshot_s": 0.0}
-        self.damaged: list[tuple[int, str]] = []  # (step, reason) of each checkpoint set aside by a restore
+        self._preemption = None if read_only else preemption.Preemption(preemption_check_s)
         # A script that ends without close() (torch.save habits): its last async save would die with the
         # interpreter, and the lease stay behind. At exit, it is finished and the Checkpointer closed: among
         # threading's exit hooks, which run before concurrent.futures refuses new work at shutdown (Orbax's
@@ -221,6 +254,7 @@ class Checkpointer:
             self._lease = None
 
     def _check_open(self, action: str) -> None:
+        standby.wait()  # a standby process: only woken may it touch the directory (it starts this Checkpointer)
         if self._closed:
             raise CheckpointError(
                 f"Cannot {action}: this Checkpointer of {str(self.directory)!r} is closed. Open a new "
@@ -240,6 +274,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps with a published checkpoint, oldest first (read afresh from the directory when read-only)."""
+        standby.wait()
         self._join()
         if self.read_only:
             for attempt in range(5):  # the writer's retention may remove a step while Orbax lists it
@@ -255,6 +290,7 @@ class Checkpointer:
     @property
     def snapshot_every(self) -> int | None:
         """The steps between in-memory snapshots now, as the processes agreed them (None: no snapshots)."""
+        standby.wait()
         if self._snapshots is None or self._preemption is None:
             return None
         return self._preemption.snapshot_every
@@ -451,6 +487,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Waits until every started save is published; raises the error of a failed one."""
+        standby.wait()
         if self._closed:
             return
         self._join()
@@ -469,6 +506,7 @@ class Checkpointer:
     def _close(self, *, remove_snapshots: bool) -> None:
         """``close``; ``remove_snapshots``: the in-memory snapshots are not needed any more (the run went on to its
         close; after an error they stay, for the restart)."""
+        standby.wait()
         if self._closed:
             return
         if self._preemption is not None:
@@ -532,6 +570,7 @@ class Checkpointer:
                 f"`loader` must be a jddp.data.DataLoader (something with set_state), got {type(loader).__name__}."
             )
         _check_stateful("extra", extra, "set_state")
+        standby.wait()  # a standby process of the next attempt (jddp launch) waits here for the failure
         dispatch.DISPATCHER.drain()
         start = time.perf_counter()
         failures = []

@@ -99,6 +99,14 @@ their spares``, and starts a process anew where a spare has ended; a spare's lin
 it took; spares not needed are ended with the launcher. ``--no-spares`` turns them off; ``--transport mpi`` has
 none. With ``--cpu-share`` a spare is pinned to the cores of its local rank from its start, as a process is.
 
+Standby (one node, the launcher's own coordinator: no ``--coordinator``, ``--nnodes 1``): once the spares are
+ready and the next service listens, each spare is handed its role in the next attempt at once and runs the script
+up to its restore (``jddp.runtime.standby``): it joins the next attempt's group, builds the model and the data,
+compiles the step, and waits. Its output is held meanwhile. A restart then wakes them (``process(es) ... woken
+from standby``) and releases their output: what is left is the failed group's end and the restore. When not
+every standby process stands by at the failure (one ended, or the script stands by nowhere), they and the next
+service are ended and the attempt starts as without them. ``--no-standby`` keeps the spares at their imports.
+
 The snapshot directory: each launcher makes one directory in memory for the run (under ``/dev/shm`` when it is
 a tmpfs, else the temporary directory: ``jddp-snapshots-<launcher pid>-<random>``), passes it to every process
 as ``JDDP_SNAPSHOT_DIR``, keeps it across attempts and removes it when it ends; one the user set in
@@ -159,6 +167,7 @@ SERVICE_GRACE_S = 10.0  # the service outlives a launcher killed without a word 
 NOTE_GLOB = re.compile(r"note-(\d+)\.json")  # jddp.runtime.watchdog.NOTE_FILE: what a process tells its launcher
 MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STANDBY_READY = "standby process(es) of the next attempt ready: compiled, waiting before their restore"
 # With a restart left: how long after an attempt's start the spares and the next coordination service start when
 # the processes' goodput ledger does not say earlier that they are past their first step (a script without fit).
 PREPARE_AFTER_S = 3.0
@@ -245,6 +254,12 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         "(default: one spare per process, see jddp.cli.spare)",
     )
     parser.add_argument(
+        "--no-standby",
+        action="store_true",
+        help="with spares, do not run the next attempt's script up to its restore in them before a failure (default: "
+        "on one node, standby: see jddp.runtime.standby)",
+    )
+    parser.add_argument(
         "--transport",
         choices=("xla", "mpi"),
         default="xla",
@@ -289,6 +304,7 @@ class LaunchConfig:
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
     cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
     spares: bool = True  # with max_restarts > 0, spare processes with the imports done wait for a restart
+    standby: bool = True  # spares run the next attempt's script up to its restore (one node, own coordinator)
     transport: str = "xla"  # "mpi": the processes run under mpiexec and sum through MPI (jddp.engine.mpi)
 
     def __post_init__(self) -> None:
@@ -341,11 +357,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
       >>> config.nprocs, config.module, config.target, config.target_args
       (2, True, 'train', ('steps=10',))
     """
-    options = dict(vars(args))  # the flags' names are the fields' names, but for these three
+    options = dict(vars(args))  # the flags' names are the fields' names, but for these four
     target_args, no_malloc_tuning = options.pop("args"), options.pop("no_malloc_tuning")
-    no_spares = options.pop("no_spares")
+    no_spares, no_standby = options.pop("no_spares"), options.pop("no_standby")
     return LaunchConfig(
-        target_args=tuple(target_args), malloc_tuning=not no_malloc_tuning, spares=not no_spares, **options
+        target_args=tuple(target_args),
+        malloc_tuning=not no_malloc_tuning,
+        spares=not no_spares,
+        standby=not no_standby,
+        **options,
     )
 
 
@@ -459,7 +479,7 @@ class _Worker:
     ended_at: float | None = None  # the same as wall time, for the summary
     unresponsive: bool = False  # still running when the group had failed: the launcher killed it
     stopped_for_restart: bool = False  # still running when another failed and a restart followed: killed at once
-    from_spare: bool = False  # a spare process handed this role (jddp.cli.spare), not started for it
+    from_spare: str = ""  # "handed": a spare took this role (jddp.cli.spare); "woken": it stood by in it
     pidfd: int | None = None  # readable once it ended: the launcher wakes at once (pidfd)
 
 
@@ -480,6 +500,8 @@ class _Launcher:
         self.reports: reports.ReportServer | None = None  # node 0 of several: the other launchers' reports
         self.spares: dict[int, spare_lib.Spare] = {}  # by local rank: waiting for a restart's role
         self.spares_said_ready = False
+        self.standby_handed = False  # this attempt's spares were handed their roles in the next attempt
+        self.standby_said = False
         self.prepared = False  # this attempt's spares and next service started
         self.next_service: tuple[str, subprocess.Popen[bytes], threading.Event, list[bytes]] | None = None
         self.draining: list[threading.Thread] = []  # output readers of a stopped group, joined at the end
@@ -624,10 +646,55 @@ class _Launcher:
         return spare_lib.Spare(local_rank, popen, ours, prefix, readers, stdout_fd)
 
     def spares_ready(self) -> None:
-        """Says once when every spare finished its imports."""
+        """Says once when every spare finished its imports, then hands them their standby roles."""
         if self.spares and not self.spares_said_ready and all(s.ready() for s in self.spares.values()):
             self.spares_said_ready = True
             self.output.say(f"{len(self.spares)} spare process(es) ready for a restart")
+        if self.spares_said_ready:
+            self.hand_standby()
+        if self.standby_handed and not self.standby_said:
+            if self.standing_by():
+                self.standby_said = True
+                self.output.say(f"{len(self.spares)} {STANDBY_READY}")
+            for spare in self.spares.values():
+                if spare.standby and not spare.said_standing_by and spare.popen.poll() is not None:
+                    self.standby_said = True  # a restart now starts its processes anew: start() says so
+                    self.output.say(
+                        f"the standby process for process {spare.prefix.value.decode().strip(' []')} ended before "
+                        f"it stood by ({exitcodes.describe(spare.popen.returncode)}); what it printed follows"
+                    )
+                    self.output.release(spare.prefix)
+
+    def standby_possible(self) -> bool:
+        c = self.config
+        return c.spares and c.standby and c.nnodes == 1 and c.coordinator is None and c.transport == "xla"
+
+    def hand_standby(self) -> None:
+        """Once every spare is ready and the next service listens: each spare becomes its process of the next
+        attempt, in standby (``jddp.runtime.standby``)."""
+        if self.standby_handed or not self.standby_possible() or self.next_service is None:
+            return
+        coordinator, _, ready, _ = self.next_service
+        if not ready.is_set() or len(self.spares) != self.config.nprocs:
+            return
+        self.standby_handed = True
+        c = self.config
+        for local_rank, spare in self.spares.items():
+            env = self.role_environment(local_rank, coordinator, self.attempt + 1)
+            env[ENV_STDOUT_FD] = str(spare.stdout_fd)
+            message = spare_lib.role(env, module=c.module, target=c.target, args=c.target_args, standby=True)
+            spare.hand(message, int(env["JDDP_PROCESS_ID"]), standby=True)  # one that ended is found at the restart
+
+    def standing_by(self) -> bool:
+        """Whether every local process of the next attempt stands by, and their service still runs."""
+        spares = self.spares.values()
+        return (
+            self.next_service is not None
+            and self.next_service[1].poll() is None
+            and len(self.spares) == self.config.nprocs
+            and all(s.standby for s in spares)
+            and all([s.standing_by() for s in spares])  # a list: each reads its message
+        )
 
     def discard_spares(self) -> None:
         spares, self.spares = self.spares, {}
@@ -645,6 +712,16 @@ class _Launcher:
         for w in self.workers:  # the previous attempt's
             if w.pidfd is not None:
                 os.close(w.pidfd)
+        if self.standby_handed and not self.standing_by():
+            standing = sum(s.standing_by() for s in self.spares.values())
+            self.output.say(
+                f"{standing} of {c.nprocs} standby process(es) stood by at the failure: ending them, starting the "
+                "processes anew"
+            )
+            self.discard_spares()
+            if self.adopt_next_service() is not None:  # the ended standby processes had joined it
+                self.stop_service(wait=False)
+        self.standby_handed = self.standby_said = False
         coordinator = self.adopt_next_service() if c.node_rank == 0 else None
         if coordinator is None:
             coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
@@ -664,32 +741,49 @@ class _Launcher:
             f"started processes {first}..{last} of {c.nnodes * c.nprocs} (attempt {attempt + 1} of "
             f"{c.max_restarts + 1}, coordinator {coordinator}): {' '.join(command(c)[1:])}"
         )
-        handed = [w for w in self.workers if w.from_spare]
-        if handed:
-            said = ", ".join(f"{w.process_id} (pid {w.popen.pid})" for w in handed)
-            self.output.say(f"process(es) {said} handed to their spares, not started anew")
+        for kind, how in (("handed", "handed to their spares, not started anew"), ("woken", "woken from standby")):
+            handed = [w for w in self.workers if w.from_spare == kind]
+            if handed:
+                said = ", ".join(f"{w.process_id} (pid {w.popen.pid})" for w in handed)
+                self.output.say(f"process(es) {said} {how}")
 
-    def start_one(self, local_rank: int, coordinator: str, attempt: int) -> _Worker:
+    def role_environment(self, local_rank: int, coordinator: str, attempt: int) -> dict[str, str]:
+        """The environment of process ``local_rank`` of attempt ``attempt``, but for the moment it starts at
+        (``moment_environment``), with its cores' thread settings under ``--cpu-share``."""
         env = environment(self.config, local_rank, coordinator, attempt)
         env[ENV_COORDINATOR_HOSTED] = "1"  # node 0's launcher runs it (start_service)
-        # For the goodput ledger (jddp.goodput): when this attempt and the run began, and when the group of the
-        # previous attempt had ended (the time between is downtime).
-        env["JDDP_ATTEMPT_START"] = f"{self.attempt_start:.6f}"
         env["JDDP_RUN_START"] = f"{self.run_start:.6f}"
-        if self.previous_end is not None:
-            env["JDDP_PREVIOUS_END"] = f"{self.previous_end:.6f}"
         env["JDDP_LEDGER_NOTE"] = os.path.join(self.note_dir, "ledger")
         if self.snapshot_dir is not None:
             env[ENV_SNAPSHOT_DIR] = self.snapshot_dir
+        self.cores(local_rank, env)
+        return env
+
+    def moment_environment(self) -> dict[str, str]:
+        """For the goodput ledger (``jddp.goodput``): when this attempt began, and when the group of the previous
+        attempt had ended (the time between is downtime)."""
+        env = {"JDDP_ATTEMPT_START": f"{self.attempt_start:.6f}"}
+        if self.previous_end is not None:
+            env["JDDP_PREVIOUS_END"] = f"{self.previous_end:.6f}"
+        return env
+
+    def start_one(self, local_rank: int, coordinator: str, attempt: int) -> _Worker:
+        moment = self.moment_environment()
+        spare = self.spares.pop(local_rank, None)
+        if spare is not None and spare.standby:  # standing by as this very process (start checked)
+            process_id = self.config.node_rank * self.config.nprocs + local_rank
+            spare.wake(spare_lib.wake(moment), self.output)  # one that ended as it was woken: this attempt fails
+            return _Worker(process_id, spare.popen, spare.readers, from_spare="woken", pidfd=pidfd(spare.popen.pid))
+        env = self.role_environment(local_rank, coordinator, attempt) | moment
         cores = self.cores(local_rank, env)
         process_id = int(env["JDDP_PROCESS_ID"])
-        spare = self.spares.pop(local_rank, None)
         if spare is not None:  # the same environment, with the spare's own pipe for Python's stdout
             c = self.config
             message = spare_lib.role({**env, ENV_STDOUT_FD: str(spare.stdout_fd)}, module=c.module, target=c.target,
                                      args=c.target_args)  # fmt: skip
             if spare.hand(message, process_id):
-                return _Worker(process_id, spare.popen, spare.readers, from_spare=True, pidfd=pidfd(spare.popen.pid))
+                handle = pidfd(spare.popen.pid)
+                return _Worker(process_id, spare.popen, spare.readers, from_spare="handed", pidfd=handle)
             self.draining += spare.readers
             self.output.say(f"the spare for process {process_id} had ended: starting the process anew")
         popen, readers, _ = self.spawn(command(self.config), env, cores, output.Prefix(f"[{process_id}] ".encode()))

@@ -29,6 +29,7 @@ class Prefix:
 
     def __init__(self, value: bytes) -> None:
         self.value = value
+        self.held: list[tuple[TextIO, bytes]] | None = None  # a standby process's lines, kept until it is woken
 
 
 class Output:
@@ -49,16 +50,31 @@ class Output:
                 continue  # a bare carriage return: every piece forwarded already ends the line it wrote
             if not piece.endswith((b"\n", b"\r")):
                 piece += b"\n"
-            self.write(target, (prefix.value if isinstance(prefix, Prefix) else prefix) + piece)
+            with self.lock:
+                if isinstance(prefix, Prefix) and prefix.held is not None:
+                    prefix.held.append((target, piece))
+                    continue
+                self._write(target, (prefix.value if isinstance(prefix, Prefix) else prefix) + piece)
         pipe.close()
+
+    def release(self, prefix: Prefix) -> None:
+        """Writes the lines held for ``prefix`` (after its value now) and stops holding them."""
+        with self.lock:
+            held, prefix.held = prefix.held or [], None
+            for target, piece in held:
+                self._write(target, prefix.value + piece)
 
     def write(self, target: TextIO, data: bytes) -> None:
         with self.lock:
-            if hasattr(target, "buffer"):
-                target.buffer.write(data)
-            else:  # a stream without bytes underneath (pytest's capture, io.StringIO)
-                target.write(data.decode(errors="replace"))
-            target.flush()
+            self._write(target, data)
+
+    @staticmethod
+    def _write(target: TextIO, data: bytes) -> None:
+        if hasattr(target, "buffer"):
+            target.buffer.write(data)
+        else:  # a stream without bytes underneath (pytest's capture, io.StringIO)
+            target.write(data.decode(errors="replace"))
+        target.flush()
 
     def say(self, message: str) -> None:
         """Prints ``jddp launch: message`` on stderr."""

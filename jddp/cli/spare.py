@@ -38,6 +38,7 @@ import sys
 import threading
 
 from jddp.cli import output
+from jddp.runtime import standby
 
 __all__ = ["HEAVY_MODULES", "READY", "Spare", "become", "main", "prepare", "role"]
 
@@ -71,10 +72,19 @@ READY = b"ready\n"  # a spare's one message to its launcher: imported, waiting f
 HAND_TIMEOUT_S = 5.0  # how long the launcher waits to write a role into a spare's socket before it spawns instead
 
 
-def role(env: dict[str, str], *, module: bool, target: str, args: tuple[str, ...] | list[str]) -> bytes:
+def role(
+    env: dict[str, str], *, module: bool, target: str, args: tuple[str, ...] | list[str], standby: bool = False
+) -> bytes:
     """The message that makes a spare process ``env["JDDP_PROCESS_ID"]``: its environment and its command, one line
-    of JSON."""
-    return json.dumps({"env": env, "module": module, "target": target, "args": list(args)}).encode() + b"\n"
+    of JSON. With ``standby``, the role of a process of the next attempt, that runs its script up to its restore and
+    waits there (``jddp.runtime.standby``) for ``wake``'s line on the same socket."""
+    message = {"env": env, "module": module, "target": target, "args": list(args), "standby": standby}
+    return json.dumps(message).encode() + b"\n"
+
+
+def wake(env: dict[str, str]) -> bytes:
+    """The line that wakes a standby process: the environment variables that hold the failure's moment."""
+    return json.dumps({"env": env}).encode() + b"\n"
 
 
 @dataclasses.dataclass
@@ -88,6 +98,8 @@ class Spare:
     readers: list[threading.Thread]
     stdout_fd: int  # the number of the spare's pipe for Python's stdout (JDDP_STDOUT_FD in its role)
     said_ready: bool = False
+    standby: bool = False  # handed a standby role (its socket open): wake() makes it the process it stands by as
+    said_standing_by: bool = False
 
     def ready(self) -> bool:
         """Whether the spare has said it finished its imports (never blocks)."""
@@ -96,27 +108,57 @@ class Spare:
                 self.said_ready = self.channel.recv(len(READY), socket.MSG_DONTWAIT) == READY
         return self.said_ready
 
-    def hand(self, message: bytes, process_id: int) -> bool:
+    def hand(self, message: bytes, process_id: int, *, standby: bool = False) -> bool:
         """Hands the spare its role (``role``); returns False, the spare ended, when it is dead or does not take it
-        within ``HAND_TIMEOUT_S`` (the launcher then starts the process as usual)."""
+        within ``HAND_TIMEOUT_S`` (the launcher then starts the process as usual). With ``standby`` (a ``role``
+        made with ``standby=True``) the socket stays open for ``wake``, and the process's output is held until
+        then (``output.Prefix.held``)."""
         if self.popen.poll() is not None:
             self.discard()
             return False
         self.prefix.value = f"[{process_id}] ".encode()
+        if standby:
+            self.prefix.held = []
         try:
             self.channel.settimeout(HAND_TIMEOUT_S)
             self.channel.sendall(message)
-            self.channel.shutdown(socket.SHUT_WR)  # the end of the role: the spare reads to here
+            if not standby:
+                self.channel.shutdown(socket.SHUT_WR)  # the end of the role: the spare reads to here
         except OSError:
             self.discard()
             return False
         finally:
-            self.channel.close()
+            if not standby:
+                self.channel.close()
+        self.standby = standby
         return True
 
+    def standing_by(self) -> bool:
+        """Whether a standby process has said it waits before its restore (``jddp.runtime.standby``); never blocks."""
+        if self.standby and self.ready() and not self.said_standing_by:
+            with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
+                self.said_standing_by = (
+                    self.channel.recv(len(standby.STANDING_BY), socket.MSG_DONTWAIT) == standby.STANDING_BY
+                )
+        return self.said_standing_by and self.popen.poll() is None
+
+    def wake(self, message: bytes, out: output.Output) -> None:
+        """Sends a standby process the failure's moment (``wake``), then releases its held output (one that ended
+        meanwhile is found by the launcher's watch, as any process that ends)."""
+        try:
+            self.channel.settimeout(HAND_TIMEOUT_S)
+            self.channel.sendall(message)
+        except OSError:
+            pass
+        finally:
+            self.channel.close()
+        out.release(self.prefix)
+
     def discard(self) -> None:
-        """Ends a spare that was not handed a role (SIGKILL, its whole session)."""
+        """Ends a spare that was not handed a role, or a standby process not woken (SIGKILL, its whole session); a
+        standby's held output is dropped."""
         self.channel.close()
+        self.prefix.held = []  # whatever it says from here on is dropped too
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, 9)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -182,9 +224,13 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         channel.sendall(READY)
     given = receive(channel)
-    channel.close()
     if given is None:  # the launcher ended, or needs this spare no more
+        channel.close()
         return 0
+    if given.get("standby"):  # the socket stays open: the script waits on it before its restore
+        given["env"][standby.ENV_FD] = str(channel.detach())
+    else:
+        channel.close()
     become(given)
     return 0
 

@@ -18,7 +18,7 @@ from jddp import typing as jt
 from jddp.engine import checks, comm, fused, loss_scale, mpi, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
-from jddp.runtime import dispatch, distributed, progress, watchdog
+from jddp.runtime import dispatch, distributed, progress, standby, watchdog
 from jddp.runtime import mesh as mesh_lib
 from jddp.runtime import state as state_lib
 
@@ -364,6 +364,7 @@ class DataParallel:
           ValueError: for a batch the mesh cannot split or a state from another mesh.
           NonFiniteError: with ``nonfinite="raise"``, after a skipped update.
         """
+        standby.wait()  # a standby process of the next attempt (jddp launch) never trains before it is woken
         checks.check_call(self, state, batch)
         program = self._program(state)
         if step_lib.leading_size(batch) == 0:
@@ -481,13 +482,30 @@ class DataParallel:
         means = {k: totals[k] / weights[k] if weights[k] else 0.0 for k in totals}
         return {**means, "examples": examples}
 
+    def compile(self, state: state_lib.TrainState, batch: jt.Batch) -> jax.stages.Compiled:
+        """Compiles the step for ``state`` and ``batch`` ahead of time, without running it or touching either.
+
+        The program is kept where ``step`` finds it: the first ``step`` on arrays of the same shapes, dtypes and
+        shardings (the state a checkpoint restores into ``state``, any batch of the same loader) runs without
+        tracing or compiling. ``jddp.fit`` calls it in a standby process before its restore
+        (``jddp.runtime.standby``). Not a collective: no process waits for another.
+
+        Returns:
+          the compiled step (``jax.stages.Compiled``: ``cost_analysis()``, ``as_text()``, ...).
+        """
+        checks.check_call(self, state, batch)
+        return self._lowered(state, batch).compile()
+
+    def _lowered(self, state: state_lib.TrainState, batch: jt.Batch) -> jax.stages.Lowered:
+        return self._program(state).lower(*self._args(state, batch))
+
     def comm_report(self, state: state_lib.TrainState, batch: jt.Batch) -> comm.CommReport:
         """The collectives of the compiled step (op, operands, dtype, bytes), and in ``lowered`` as asked for.
 
         Compiling for the report does not run the step or touch ``state``.
         """
         checks.check_call(self, state, batch)
-        lowered = self._program(state).lower(*self._args(state, batch))
+        lowered = self._lowered(state, batch)
         hlo = lowered.compile().as_text()
         if hlo is None:
             raise RuntimeError("The backend gives no compiled HLO text, so the step's collectives cannot be listed.")
