@@ -325,20 +325,23 @@ def test_two_processes_of_two_devices(mesh, tmp_path):
         "adamw-clip": (OPTIMIZERS["adamw-clip"], 0.5),
         "schedule-free": (lambda: optax.contrib.schedule_free_adamw(3e-3), None),
     }
+    engines, runs = {}, {}
     for key in reports[0]:
         name, accumulate = key.rsplit("-", 1)
         make, clip = optimizers[name]
-        dp = jddp.DataParallel(
+        engines[key] = jddp.DataParallel(
             model.loss_fn, make(), mesh=mesh, accumulate_steps=int(accumulate), clip_grad_norm=clip,
             shard_optimizer=True,
         )  # fmt: skip
-        here = models.flat(train(dp, model, data)[0].params)
+        runs[key], _ = train(engines[key], model, data)
+        here = models.flat(runs[key].params)
         assert max(float(np.max(np.abs(here[k] - there[f"{key}/{k}"]))) for k in here) < 1e-6, key
     make, clip = optimizers["adamw-clip"]
-    whole, _ = train(jddp.DataParallel(model.loss_fn, make(), mesh=mesh, clip_grad_norm=clip, shard_optimizer=True),
-                     model, data)  # fmt: skip
+    whole = runs["adamw-clip-1"]  # the 8-device trajectory the checkpoint continues (its engine: one compilation)
     for shard in (True, False):
-        dp = jddp.DataParallel(model.loss_fn, make(), mesh=mesh, clip_grad_norm=clip, shard_optimizer=shard)
+        dp = engines["adamw-clip-1"] if shard else jddp.DataParallel(
+            model.loss_fn, make(), mesh=mesh, clip_grad_norm=clip, shard_optimizer=False
+        )  # fmt: skip
         with jddp.Checkpointer(tmp_path / "ckpt") as ckpt:
             restored = ckpt.restore_or_init(dp.init(model.params, rng=0))
         assert int(restored.step) == 10

@@ -65,7 +65,7 @@ def train(dp, data, state=None):
 
 
 data = global_batches(20)
-report, saved = {}, {}
+report, saved, engines = {}, {}, {}
 for name, accumulate in RUNS:
     make, clip = OPTIMIZERS[name]
     runs = {}
@@ -73,6 +73,7 @@ for name, accumulate in RUNS:
         dp = jddp.DataParallel(
             model.loss_fn, make(), mesh=mesh, accumulate_steps=accumulate, clip_grad_norm=clip, shard_optimizer=shard
         )
+        engines[name, accumulate, shard] = dp
         state, metrics = train(dp, data)
         dp.check_replicas(state)
         runs[shard] = host(state.params), metrics
@@ -90,8 +91,7 @@ with open(os.path.join(out, f"zero-{rank}.json"), "w") as f:
 if rank == 0:
     np.savez(os.path.join(out, "params.npz"), **saved)
 
-make, clip = OPTIMIZERS["adamw-clip"]
-dp = jddp.DataParallel(model.loss_fn, make(), mesh=mesh, clip_grad_norm=clip, shard_optimizer=True)
+dp = engines["adamw-clip", 1, True]  # the engine of the run above: no second compilation
 state, _ = train(dp, data[:10])
 with jddp.Checkpointer(os.path.join(out, "ckpt")) as ckpt:
     ckpt.save(state, wait=True)
