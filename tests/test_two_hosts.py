@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 
 from tests import models, multiprocess
+from tests.workers import train_mlp
 
 pytestmark = pytest.mark.multiprocess
 
 HOSTS = multiprocess.ROOT / "tools" / "netns_hosts.sh"
+TRAIN = str(multiprocess.WORKERS / "train_mlp.py")
 COORDINATOR = "10.231.0.1:29500"  # ADDR_A of the sandbox with NET_ID=0, port 29500
 # Runs inside the sandbox, which exports NETNS_A, NETNS_B and ADDR_A. Arguments: python, log folder, worker.
 LAUNCH = """
@@ -43,14 +45,14 @@ def usable() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("ip") is not None
 
 
-def two_hosts(tmp_path, *worker: str, script: str = LAUNCH) -> tuple[str, str]:
-    """Runs ``worker`` under ``jddp.launch`` on both hosts (``script``: how); returns their logs, or fails showing
-    the sandbox's."""
+def two_hosts(tmp_path, *worker: str, script: str = LAUNCH, **env: str) -> tuple[str, str]:
+    """Runs ``worker`` under ``jddp.launch`` on both hosts (``script``: how; ``env``: the workers' variables);
+    returns their logs, or fails showing the sandbox's."""
     for rank in (0, 1):
         (tmp_path / f"host{rank}.log").unlink(missing_ok=True)
     command = ["bash", str(HOSTS), "sandbox", "bash", "-c", script, "launch", sys.executable, str(tmp_path), *worker]
     # A broken test bed fails at initialisation; 60 s (not 120) lets both attempts fail within the 300 s below.
-    env = multiprocess.environment(NS_PREFIX="jddpt", NET_ID="0", JDDP_INIT_TIMEOUT="60")
+    env = multiprocess.environment(NS_PREFIX="jddpt", NET_ID="0", JDDP_INIT_TIMEOUT="60", **env)
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         outcome, stderr = f"exit {done.returncode}", done.stderr
@@ -64,19 +66,17 @@ def two_hosts(tmp_path, *worker: str, script: str = LAUNCH) -> tuple[str, str]:
 
 @pytest.mark.skipif(not usable(), reason="needs root, unshare and ip (iproute2) to build two network namespaces")
 def test_two_hosts_train_like_one_process_and_restart_together(tmp_path):
-    host0, host1 = two_hosts(tmp_path, str(multiprocess.WORKERS / "train_mlp.py"), str(tmp_path / "hosts.npz"))
+    """The two hosts' 2 x 2 devices train as this process does on 4 of its devices (1e-6, 20 AdamW steps)."""
+    import jax
+
+    import jddp
+
+    data = train_mlp.data_file(tmp_path / "data.npz")  # read by every process, not generated in each
+    host0, host1 = two_hosts(tmp_path, TRAIN, str(tmp_path / "hosts.npz"), TRAIN_MLP_DATA=data)
     assert f"coordinator {COORDINATOR}" in host0 + host1 and "processes=2" in host0 + host1, host0 + host1
 
-    reference = tmp_path / "one.npz"
-    single = subprocess.run(
-        [sys.executable, str(multiprocess.WORKERS / "train_mlp.py"), str(reference)],
-        env=multiprocess.environment(JDDP_LOCAL_DEVICES="4"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert single.returncode == 0, single.stderr
-    a, b = dict(np.load(reference)), dict(np.load(tmp_path / "hosts.npz"))
+    a, _, _ = train_mlp.train(jddp.data_mesh(jax.devices()[:4]), train_mlp.load(data))
+    b = dict(np.load(tmp_path / "hosts.npz"))
     assert a.keys() == b.keys() and models.max_diff(a, b) <= 1e-6
 
     # A worker killed on host 1: both launchers restart (host 0's process sees its peer vanish) and finish.
