@@ -18,6 +18,7 @@ from jddp.cli import output
 from jddp.engine import mpi
 from jddp.runtime import distributed
 from tests import multiprocess
+from tests.workers import train_mlp
 
 pytestmark = pytest.mark.multiprocess
 needs_mpi = pytest.mark.skipif(mpi.unavailable() is not None, reason=f"no MPI transport here: {mpi.unavailable()}")
@@ -34,8 +35,11 @@ def params(path) -> dict[str, np.ndarray]:
 def test_mpi_transport_trains_to_the_parameters_of_the_gloo_transport(tmp_path):
     """20 AdamW steps of the MNIST-1D MLP at 2 processes: the same parameters to 1e-6 through MPI_Allreduce as
     through gloo, with no XLA all-reduce left in the MPI step; the output is prefixed and free of gloo's chatter."""
-    via_mpi = multiprocess.launch("--transport", "mpi", "-n", "2", TRAIN, str(tmp_path / "mpi.npz"), "20", timeout=600)
-    via_gloo = multiprocess.launch("-n", "2", TRAIN, str(tmp_path / "gloo.npz"), "20", timeout=600)
+    data = {"TRAIN_MLP_DATA": train_mlp.data_file(tmp_path / "data.npz")}  # read by every process, generated once
+    via_mpi = multiprocess.launch(
+        "--transport", "mpi", "-n", "2", TRAIN, str(tmp_path / "mpi.npz"), "20", timeout=600, env=data
+    )  # fmt: skip
+    via_gloo = multiprocess.launch("-n", "2", TRAIN, str(tmp_path / "gloo.npz"), "20", timeout=600, env=data)
     assert via_mpi.returncode == 0, via_mpi.stdout[-2000:] + via_mpi.stderr[-3000:]
     assert via_gloo.returncode == 0, via_gloo.stdout[-2000:] + via_gloo.stderr[-3000:]
     assert re.search(r"^\[0\] RESULT devices=2 processes=2 .* allreduce_ops=0 ", via_mpi.stdout, re.M), via_mpi.stdout
