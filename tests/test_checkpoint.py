@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 import jddp
 from jddp import exitcodes
 from jddp.checkpoint import config_fingerprint
+from jddp.cli import launch as launch_lib
 from tests import multiprocess, replay
 
 WORKER = str(multiprocess.WORKERS / "ckpt_train.py")
@@ -514,6 +516,7 @@ def test_a_checkpoint_saved_without_its_empty_nodes_is_still_refused_not_set_asi
 
 NO_CLOSE = """
 import sys
+import threading
 import time
 import jddp
 jddp.simulate_cpu_devices(2)
@@ -734,6 +737,60 @@ def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_r
         assert max(kill - 2, disk) <= step <= kill, shown
         # the disk only when newer than every snapshot (>= kill - 2): its save at kill - 1
         assert source == "peer" or (source == "disk" and step == disk == kill - 1), shown
+
+
+@pytest.mark.multiprocess
+def test_a_restart_woken_from_standby_resumes_bitwise_equal(tmp_path, two_process_reference):
+    """Process 1 SIGKILLs itself after step 9 once the launcher says its standby processes stand by: the restart
+    wakes them (no process started), they restore from memory (process 0's snapshot sent to process 1: the kill's
+    step, or one before), and the run ends bitwise equal to the uninterrupted one; what the standby processes printed
+    before they were woken comes out after, prefixed as any process's; the standby processes of the next attempt
+    (never woken) print nothing."""
+    ready = tmp_path / "standby-ready"
+    env = {"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory"), "KILL_ONCE": f"9:{ready}"}
+    (tmp_path / "run").mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", "--peer-timeout", "15",
+         WORKER, str(tmp_path / "run"), str(TWO_PROCESS_STEPS)],
+        env=multiprocess.environment(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=multiprocess.ROOT,
+    )  # fmt: skip
+    said: list[str] = []
+    printed: list[str] = []
+
+    def read(pipe, lines: list[str]) -> None:
+        for line in pipe:
+            lines.append(line)
+            if launch_lib.STANDBY_READY in line:
+                ready.touch()
+
+    readers = [
+        threading.Thread(target=read, args=(pipe, lines), daemon=True)
+        for pipe, lines in ((launcher.stderr, said), (launcher.stdout, printed))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        launcher.wait(timeout=240)
+    finally:
+        launcher.kill()
+        for reader in readers:
+            reader.join(10)
+        for pipe in (launcher.stdout, launcher.stderr):
+            assert pipe is not None
+            pipe.close()
+    out = "".join(printed)
+    shown = out + "".join(said)
+    assert launcher.returncode == 0, shown
+    assert re.search(r"process\(es\) 0 \(pid \d+\), 1 \(pid \d+\) woken from standby", shown), shown
+    assert "handed to their spares" not in shown and "starting the processes anew" not in shown, shown
+    assert_same_run(tmp_path / "run", two_process_reference, "woken from standby")
+    resumed = re.findall(r"^\[0\] RESUMED at step (\d+) attempt (\d) from (\w+)$", out, re.MULTILINE)
+    assert resumed[0] == ("0", "0", "None") and len(resumed) == 2, shown
+    assert 8 <= int(resumed[1][0]) <= 9 and resumed[1][1:] == ("1", "peer"), shown
+    # the woken processes' first lines (jddp.initialize's, printed in standby) came out, prefixed
+    assert len(re.findall(r"^\[1\] jddp: process 1 of 2", out + "".join(said), re.MULTILINE)) == 2, shown
+    assert not [line for line in out.splitlines() if not line.startswith(("[0] ", "[1] "))], out
 
 
 @pytest.mark.multiprocess

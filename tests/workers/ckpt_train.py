@@ -14,6 +14,8 @@ PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1).
 RAISE_AT=step makes process 0
 raise right after that step's ``maybe_save`` in attempt 0 (an unhandled exception while its async save is written).
 KILL_HOST_AT=step makes process 1 SIGKILL its launcher and itself after that step in attempt 0 (a lost host).
+KILL_ONCE=step:path makes process 1 wait after that step in attempt 0 until the file path exists (the test writes it
+when the launcher says its standby processes are ready), then SIGKILL itself.
 KILL_LAUNCHER_AT=step makes process 0 SIGKILL its parent (``jddp launch``) after that step, then go on; every
 process writes DIR/launch-folder-<process> (the launcher's temporary folder) at its start and DIR/exit-<process>
 (its step and exit code) when preemption stops it: its output then leads nowhere.
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import jddp
 
@@ -78,6 +81,7 @@ ckpt = jddp.Checkpointer(
 state, loader = ckpt.restore_or_init(state, loader)
 step = int(state.step)
 kill_launcher_at = int(os.environ.get("KILL_LAUNCHER_AT", "-1"))
+kill_once = os.environ["KILL_ONCE"].split(":", 1) if os.environ.get("KILL_ONCE") else None
 if os.environ.get("JDDP_LEDGER_NOTE"):
     with open(os.path.join(out, f"launch-folder-{jax.process_index()}"), "w") as f:
         f.write(os.path.dirname(os.environ["JDDP_LEDGER_NOTE"]))
@@ -94,6 +98,10 @@ while step < steps:
             log.write(json.dumps({"attempt": attempt, "step": step, "ids": ids[mask > 0].tolist()}) + "\n")
             log.flush()
         if attempt < len(kills) and step == kills[attempt] and jax.process_index() == killer:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kill_once and step == int(kill_once[0]) and jax.process_index() == killer and attempt == 0:
+            while not os.path.exists(kill_once[1]):
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == kill_launcher_at and jax.process_index() == 0:
             os.kill(os.getppid(), signal.SIGKILL)
