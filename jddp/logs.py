@@ -53,7 +53,11 @@ class RunLog:
         self.run = run
         self.path = log_dir / METRICS_FILE
         kept = keep_until(self.path, first, run)
+        # The keys already written (step, split, attempt), to write each once; fit's records come in step order, so
+        # only those at the last step written or later can come again: the rest are dropped as the steps go on
+        # (a set of every key written grew by one per record, without bound in a long run).
         self.seen = {(r["step"], r["split"], r.get("attempt")) for r in kept if r.get("run") == run}
+        self.seen_from = first
         self.file = open(self.path, "a")  # closed in close()
         self.tb = summary_writer(log_dir / TENSORBOARD_DIR / (run or "run"), purge_step=first + 1)
 
@@ -61,6 +65,9 @@ class RunLog:
         key = (rec["step"], rec["split"], rec.get("attempt"))
         if key in self.seen:  # e.g. the final evaluation of a run resumed after its end
             return
+        if key[0] > self.seen_from:
+            self.seen_from = key[0]
+            self.seen = {k for k in self.seen if k[0] >= key[0]}
         self.seen.add(key)
         rec = {k: rec[k] for k in ("step", "epoch", "split") if k in rec} | {"run": self.run} | rec
         self.file.write(json.dumps(rec) + "\n")

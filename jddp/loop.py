@@ -44,6 +44,7 @@ prints, shows the progress bar and writes files.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -68,6 +69,9 @@ CONFIG_FILE = "config.yaml"
 # memory traffic), so every 100 steps costs well under 1% of the step time (benchmarks/replica_check.py).
 REPLICA_CHECK_EVERY = 100
 TIMES = goodput.TIMERS  # the seconds fit counts, the same its ledger keeps
+# Records FitResult.history keeps (the last ones): a long run's memory stays flat (one record per log_every steps
+# grew it by about 0.1 MB per 1000 steps); metrics.jsonl in log_dir keeps every record.
+HISTORY_KEEP = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,8 @@ class FitResult:
 
     Attributes:
       state: the final ``TrainState``.
-      history: the records this call logged (the same on every process):
+      history: the last ``HISTORY_KEEP`` (1000) records this call logged (the
+        same on every process; ``metrics.jsonl`` in ``log_dir`` keeps them all):
         ``{"step", "epoch", "split", **metrics}``; ``epoch`` is the loader
         position in epochs (1.0 at the end of the first). ``split`` "train":
         each metric's mean over the steps since the previous train record
@@ -285,7 +290,7 @@ class _Run:
         self.total, self.eval_every, self.log_every, self.progress = total, eval_every, log_every, progress
         self.main = jax.process_index() == 0
         self.times: dict[str, float] = dict.fromkeys(TIMES, 0.0)
-        self.history: list[dict] = []
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_KEEP)
         self.final_eval: dict[str, float] = {}
         self.last_eval_step = -1
         self.steps_run = self.step = 0
@@ -364,7 +369,7 @@ class _Run:
                 else ""
             )
         )
-        return FitResult(state, self.history, self.final_eval, summary)
+        return FitResult(state, list(self.history), self.final_eval, summary)
 
     def compile_ahead(self, state) -> None:
         """Compiles the step for ``state`` and the loader's batches (``DataParallel.compile``), the loader's position

@@ -110,3 +110,57 @@ def test_saves_keep_no_memory_per_save(tmp_path):
     # Everything the heap keeps: 22 KB per save with the leak, 5 KB without (the warm-up of bounded caches:
     # 0.2 KB per save from save 300 to 600).
     assert sum(per_save.values()) < 11000, said
+
+
+def test_run_log_keeps_no_key_per_record(tmp_path):
+    # RunLog (process 0's metrics.jsonl) kept the key of every record it wrote, to write each once: about 60 B per
+    # record, without bound in a long run. Only the keys at the last step written can come again (fit's records come
+    # in step order): what it keeps per record is counted after a warm-up, and what it must still skip is checked.
+    from jddp import logs
+
+    first = logs.RunLog(tmp_path, 0, "r")
+    first.write({"step": 5, "epoch": 0.5, "split": "eval", "loss": 1.0})
+    first.close()
+    log = logs.RunLog(tmp_path, 5, "r")  # resumed at step 5: its eval there is written already
+    log.write({"step": 5, "epoch": 0.5, "split": "eval", "loss": 2.0})
+
+    def write(steps):
+        for step in steps:
+            log.write({"step": step, "epoch": step / 10, "split": "train", "loss": 1.0})
+
+    write(range(6, 56))
+    tracemalloc.start(1)
+    try:
+        before = tracemalloc.take_snapshot()
+        write(range(56, 556))
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    log.write({"step": 555, "epoch": 55.5, "split": "train", "loss": 3.0})  # the same step and split again
+    log.close()
+    kept = sum(s.size_diff for s in after.compare_to(before, "filename") if s.traceback[0].filename == logs.__file__)
+    assert kept / 500 < 8, f"RunLog keeps {kept / 500:.0f} B per record written"
+    records = logs.read_metrics(tmp_path / logs.METRICS_FILE)
+    assert [(r["step"], r["loss"]) for r in records if r["step"] in (5, 555)] == [(5, 1.0), (555, 1.0)]
+    assert [r["step"] for r in records] == [5, *range(6, 556)]
+
+
+def test_fit_history_keeps_the_last_records(tmp_path, monkeypatch):
+    # FitResult.history kept every record of the call (one per log_every steps, and per evaluation and epoch): about
+    # 0.1 MB per 1000 steps, without bound. It keeps the last HISTORY_KEEP, the same as the end of metrics.jsonl.
+    from jddp import logs, loop
+
+    monkeypatch.setattr(loop, "HISTORY_KEEP", 5)
+    mesh = jddp.data_mesh(jax.devices()[:1])
+
+    def loss_fn(params, model_state, batch, key):
+        return jnp.mean((batch["x"] @ params["w"] - 1) ** 2), (model_state, {})
+
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh)
+    state = dp.init({"w": np.zeros((4, 2), np.float32)}, rng=0)
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    loader = jddp.data.DataLoader({"x": x}, global_batch_size=8, seed=1, mesh=mesh)
+    result = jddp.fit(dp, state, loader, steps=20, log_every=2, log_dir=tmp_path, progress=False)
+    logged = [r for r in logs.read_metrics(tmp_path / logs.METRICS_FILE) if not r["split"].startswith("goodput")]
+    assert len(logged) == 10 + 2  # a train record every 2 steps, a train_epoch one every 8
+    assert result.history == [{k: v for k, v in r.items() if k != "run"} for r in logged[-5:]]
