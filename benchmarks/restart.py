@@ -7,9 +7,11 @@ Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml
 20 steps) under ``jddp launch -n 2 --max-restarts 3``, and SIGKILLs one worker once per run, at a step and a
 process drawn from ``--seed`` (printed, so a run can be replayed): the first step past the drawn one (31 to 60) at
 which the launcher's spares are ready (it says so on stderr), so that a kill finds them as a crash in a long run
-would. Modes, interleaved run by run: ``cold`` (``JDDP_COMPILATION_CACHE=0``: every restart compiles) and ``warm``
-(jddp's default cache, in a directory filled by one run first), each with spares (the default) and with
-``--no-spares`` (every restart starts its processes anew). From the goodput ledgers (``jddp.goodput``): the time
+would. Modes, interleaved run by run, by the compilation cache: ``warm`` (jddp's default cache, in a directory
+filled by one run first), ``cold`` (the default cache, in a directory empty when the run starts: a first run on a
+fresh machine, whose first attempt fills it) and ``nocache`` (``JDDP_COMPILATION_CACHE=0``: nothing is kept, every
+attempt compiles); each with spares in standby (the default), ``no-standby`` (spares with their imports done
+only, ``--no-standby``) or ``no-spares`` (every restart starts its processes anew, ``--no-spares``). From the goodput ledgers (``jddp.goodput``): the time
 from the kill to the restarted attempt's first step, and its parts: the old group's end (noticed and stopped), the
 launcher's restart, the new processes' start (imports, ``initialize``, the model: a spare has done the imports),
 the restore, and the first step (compilation). Prints each mode's median, min and max, the parts' medians and the
@@ -64,7 +66,7 @@ WOKEN = "woken from standby"
 
 
 def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_timeout: float) -> dict | None:
-    """One run in ``mode`` (``cold``/``warm``; `` no-spares`` in it for ``--no-spares``, `` disk`` for
+    """One run in ``mode`` (``warm``/``cold``/``nocache``; `` no-spares`` or `` no-standby`` in it for the flag, `` disk`` for
     ``JDDP_SNAPSHOTS=0``: the restore from disk), killed after ``kill_step`` (None: no kill, the fresh start's first
     step only)."""
     from jddp import goodput
@@ -74,7 +76,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
     with tempfile.TemporaryDirectory() as run_dir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("XLA_FLAGS", None)
-        env["JDDP_COMPILATION_CACHE"] = "0" if mode.startswith("cold") else cache_dir
+        env["JDDP_COMPILATION_CACHE"] = {"nocache": "0", "cold": f"{run_dir}/xla"}.get(mode.split()[0], cache_dir)
         if "disk" in mode:
             env["JDDP_SNAPSHOTS"] = "0"
         argv = [
@@ -170,8 +172,8 @@ def main() -> None:
     parser.add_argument("--no-fresh", action="store_true", help="skip the fresh starts without a kill")
     parser.add_argument(
         "--modes",
-        default="cold,cold no-spares,warm,warm no-spares",
-        help="comma-separated: cold or warm, with ' no-spares' (--no-spares) and ' disk' (JDDP_SNAPSHOTS=0: the "
+        default="warm,warm no-standby,warm no-spares,cold,nocache,nocache no-standby",
+        help="comma-separated: warm, cold or nocache, with ' no-standby', ' no-spares' and ' disk' (JDDP_SNAPSHOTS=0: the "
         "restore from disk, as before in-memory snapshots) in it",
     )
     args = parser.parse_args()

@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 import jddp
 from jddp import config as config_lib
 from jddp import models as jm
+from jddp.runtime import standby
 from tests import models
 
 PACKAGE = Path(jddp.__file__).parent
@@ -225,6 +226,7 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.DataParallel.assert_replicas_identical": lambda c: Call(c.dp.assert_replicas_identical, {"state": c.state()}),
     "jddp.DataParallel.check_replicas": lambda c: Call(c.dp.check_replicas, {"state": c.state()}),
     "jddp.DataParallel.comm_report": lambda c: Call(c.dp.comm_report, {"state": c.state(), "batch": c.batch()}),
+    "jddp.DataParallel.compile": lambda c: Call(c.dp.compile, {"state": c.state(), "batch": c.batch()}),
     "jddp.DataParallel.eval_step": lambda c: Call(c.dp.eval_step, {"state": c.state(), "batch": c.batch()}),
     "jddp.DataParallel.evaluate": lambda c: Call(c.dp.evaluate, {"state": c.state(), "batches": [c.batch()]}),
     "jddp.DataParallel.init": lambda c: Call(c.dp.init, {"params": c.model.params, "model_state": {}, "rng": 0}),
@@ -267,6 +269,9 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.process_index": lambda c: Call(jddp.process_index, {}),
     "jddp.replicated": lambda c: Call(jddp.replicated, {"mesh": c.mesh}),
     "jddp.simulate_cpu_devices": lambda c: Call(jddp.simulate_cpu_devices, {"n": 8}),
+    "jddp.runtime.standby.active": lambda c: Call(standby.active, {}),
+    "jddp.runtime.standby.on_wake": lambda c: Call(standby.on_wake, {"callback": lambda: None}),
+    "jddp.runtime.standby.wait": lambda c: Call(standby.wait, {}),
     "jddp.checkpoint.config_fingerprint": lambda c: Call(jddp.checkpoint.config_fingerprint, {"config": {"lr": 0.1}}),
     "jddp.checkpoint.digest_array": lambda c: Call(
         jddp.checkpoint.digest_array, {"tree": c.state().params, "layouts": None}

@@ -186,10 +186,7 @@ class Checkpointer:
         )
         # What touches the directory (the lease, Orbax's manager and its cleanup) waits in a standby process of the
         # next attempt (jddp launch) until it is woken: the attempt it stands by for still writes there.
-        if standby.active():
-            standby.on_wake(start)
-        else:
-            start()
+        standby.on_wake(start)
 
     def _start(
         self,

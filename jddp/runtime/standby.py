@@ -48,9 +48,21 @@ def active() -> bool:
 
 
 def on_wake(callback: Callable[[], None]) -> None:
-    """Runs ``callback`` when this standby process is woken, before ``wait`` returns (in the order given): what
-    must not happen before the failure (``Checkpointer`` takes its directory's lease there)."""
-    _on_wake.append(callback)
+    """Runs ``callback`` when this standby process is woken, before ``wait`` returns (in the order given), or at
+    once in any other process: what must not happen before the failure (``Checkpointer`` takes its directory's
+    lease there).
+
+    Raises:
+      TypeError: ``callback`` is not callable.
+    """
+    if not callable(callback):
+        raise TypeError(
+            f"`callback` must be a function of no arguments, got callback={callback!r} ({type(callback).__name__})."
+        )
+    if active():
+        _on_wake.append(callback)
+    else:
+        callback()
 
 
 def _read_line(channel: socket.socket) -> bytes | None:
