@@ -33,7 +33,8 @@ from benchmarks.restart import children, workers
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
 CONFIG = ROOT / "configs" / "mnist1d_mlp.yaml"
-HANDED = re.compile(r"(\d+) \(pid (\d+)\)")  # in jddp launch's "process(es) 0 (pid 57), ... handed to their spares"
+# in jddp launch's "process(es) 0 (pid 57), ... handed to their spares" and "... woken from standby"
+HANDED = re.compile(r"(\d+) \(pid (\d+)\)")
 
 
 def final_digests(ckpt: Path) -> tuple[int, list]:
@@ -44,10 +45,12 @@ def final_digests(ckpt: Path) -> tuple[int, list]:
 
 
 def running(launcher: int, said: list[str]) -> list[int]:
-    """The launcher's worker processes now (started as ``train.py``, or spares handed a role: named by the
-    launcher's "handed to their spares" lines), by pid."""
+    """The launcher's worker processes now (started as ``train.py``, or spares handed a role or woken from standby:
+    named by the launcher's lines), by pid."""
     live = set(children(launcher))
-    handed = {int(pid) for line in list(said) for _, pid in HANDED.findall(line) if "handed" in line}
+    handed = {
+        int(pid) for line in list(said) for _, pid in HANDED.findall(line) if "handed" in line or "woken" in line
+    }
     return sorted(set(workers(launcher)) | (handed & live))
 
 
@@ -100,6 +103,7 @@ def one_run(mode: str, kills: list[tuple[int, int]], args) -> dict | None:
             "final": final_digests(Path(run_dir) / "ckpt"),
             "attempts": len(accounts),
             "records": len(records),
+            "woken": sum("woken from standby" in line for line in said),
         }
 
 
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument("--modes", default="disk,memory", help="comma-separated: disk, memory (default: both)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     print(f"chaos: seed {args.seed}, {args.runs} runs x {args.kills} kills per mode, load {os.getloadavg()[0]:.2f}")
@@ -117,13 +122,13 @@ def main() -> None:
     assert reference is not None, "the uninterrupted run failed"
     print(f"  uninterrupted: final step {reference['final'][0]}", flush=True)
     steps_per_epoch = reference["final"][0] // args.epochs
-    modes = ("disk", "memory")
-    totals: dict[str, dict] = {m: {"recomputed": [], "sources": [], "bitwise": 0, "runs": 0} for m in modes}
+    modes = [m.strip() for m in args.modes.split(",")]
+    totals: dict[str, dict] = {m: {"recomputed": [], "sources": [], "bitwise": 0, "runs": 0, "woken": 0} for m in modes}
     for i in range(args.runs):
         last = reference["final"][0] - steps_per_epoch  # every kill leaves an epoch to go
         kills = sorted((rng.randint(5, last), rng.randint(0, 1)) for _ in range(args.kills))
         kills = [(step + k, victim) for k, (step, victim) in enumerate(kills)]  # one kill per attempt, in order
-        for mode in ("disk", "memory") if i % 2 == 0 else ("memory", "disk"):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
             r = one_run(mode, kills, args)
             if r is None:
                 continue
@@ -132,9 +137,10 @@ def main() -> None:
             t["recomputed"] += r["recomputed"]
             t["sources"] += r["sources"]
             t["bitwise"] += r["final"] == reference["final"]
+            t["woken"] += r["woken"]
             print(
                 f"  {mode}: kills {kills}: recomputed {r['recomputed']}, restored from {r['sources']}, "
-                f"bitwise {r['final'] == reference['final']}",
+                f"{r['woken']} restart(s) woken from standby, bitwise {r['final'] == reference['final']}",
                 flush=True,
             )
     print(f"totals (load at the end {os.getloadavg()[0]:.2f}):")
@@ -144,7 +150,7 @@ def main() -> None:
             print(
                 f"  {mode}: {len(t['recomputed'])} kills, steps recomputed per kill: median "
                 f"{statistics.median(t['recomputed']):g}, mean {statistics.mean(t['recomputed']):.2f}, max "
-                f"{max(t['recomputed'])}; restores from: {counts}; "
+                f"{max(t['recomputed'])}; restores from: {counts}; {t['woken']} restart(s) woken from standby; "
                 f"bitwise equal to the uninterrupted run in {t['bitwise']} of {t['runs']} runs"
             )
 
