@@ -6,17 +6,20 @@ with and without the launcher's spare processes.
 Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, 10 epochs, a checkpoint every
 20 steps) under ``jddp launch -n 2 --max-restarts 3``, and SIGKILLs one worker once per run, at a step and a
 process drawn from ``--seed`` (printed, so a run can be replayed): the first step past the drawn one (31 to 60) at
-which the launcher's spares are ready, in standby where they stand by (it says so on stderr), so that a kill finds
-them as a crash in a long run would. Modes, interleaved run by run, by the compilation cache: ``warm`` (jddp's default cache, in a directory
-filled by one run first), ``cold`` (the default cache, in a directory empty when the run starts: a first run on a
-fresh machine, whose first attempt fills it) and ``nocache`` (``JDDP_COMPILATION_CACHE=0``: nothing is kept, every
+which the launcher's spares are ready, in standby where they stand by (it says so on stderr), so that a kill
+finds them as a crash in a long run would.
+
+Modes, interleaved run by run, by the compilation cache: ``warm`` (jddp's default cache, in a directory filled by
+one run first), ``cold`` (the default cache, in a directory empty when the run starts: a first run on a fresh
+machine, whose first attempt fills it) and ``nocache`` (``JDDP_COMPILATION_CACHE=0``: nothing is kept, every
 attempt compiles); each with spares in standby (the default), ``no-standby`` (spares with their imports done
-only, ``--no-standby``) or ``no-spares`` (every restart starts its processes anew, ``--no-spares``). From the
-goodput ledgers (``jddp.goodput``): the time from the kill to the restarted attempt's first step, and its parts:
-the old group's end (noticed and stopped), the launcher's restart, the new processes' start (imports,
+only, ``--no-standby``) or ``no-spares`` (every restart starts its processes anew, ``--no-spares``).
+
+From the goodput ledgers (``jddp.goodput``): the time from the kill to the restarted attempt's first step, and its
+parts: the old group's end (noticed and stopped), the launcher's restart, the new processes' start (imports,
 ``initialize``, the model: a spare has done the imports, a standby process all of it), the restore, and the first
-step (compilation, which a standby process did ahead). Prints each mode's median, min and max, the parts' medians and the
-load average; then (unless ``--no-fresh``) a fresh start's time to the first step, cold and warm.
+step (compilation, which a standby process did ahead). Prints each mode's median, min and max, the parts' medians
+and the load average; then (unless ``--no-fresh``) a fresh start's time to the first step, cold and warm.
 """
 
 from __future__ import annotations
