@@ -48,9 +48,7 @@ def running(launcher: int, said: list[str]) -> list[int]:
     """The launcher's worker processes now (started as ``train.py``, or spares handed a role or woken from standby:
     named by the launcher's lines), by pid."""
     live = set(children(launcher))
-    handed = {
-        int(pid) for line in list(said) for _, pid in HANDED.findall(line) if "handed" in line or "woken" in line
-    }
+    handed = {int(pid) for line in list(said) for _, pid in HANDED.findall(line) if "handed" in line or "woken" in line}
     return sorted(set(workers(launcher)) | (handed & live))
 
 
