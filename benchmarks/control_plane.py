@@ -1,0 +1,590 @@
+"""The control plane at N simulated processes: what each of jddp's exchanges costs the coordination service.
+
+    python -m benchmarks.control_plane [--n 2,8,32,128] [--workers 4] [--reps 10] [--peer-timeout 5]
+
+For each N, the real coordination service runs in a process of its own, as ``jddp launch`` runs it
+(``python -m jddp.runtime.coordinator``), and N simulated processes talk to it: each one is a JAX distributed
+runtime client of its own (``_jax.get_distributed_runtime_client``, the client ``jax.distributed.initialize``
+makes, ``connect()``ed with its task id), hosted by ``--workers`` OS processes (N / workers clients each, one
+thread per client). No JAX computation, no devices. Each simulated process makes exactly the calls a jddp
+process makes, through a proxy that counts every call and the bytes of its keys and values:
+
+* ``heartbeat``: one watchdog round (``jddp/runtime/watchdog.py``, ``Watchdog._watch``): ``key_value_set`` of
+  its value under ``jddp/alive/<p>`` (the value built by ``watchdog._value`` and ``progress.publish``, as
+  there), ``key_value_dir_get`` of ``ALIVE_PREFIX``, parsed by ``watchdog._entries``. Every process at once;
+* ``barrier``: ``jddp.barrier``'s calls (``jddp/runtime/distributed.py``, ``barrier``): ``key_value_set`` of
+  ``jddp/barrier/<name>/<count>/<p>``, ``wait_at_barrier``;
+* ``all_gather``: ``jddp.host_all_gather``'s calls (``jddp/runtime/host.py``, ``_exchange``) of a small dict:
+  ``key_value_set_bytes`` of the payload ``host._payload`` makes, ``wait_at_barrier``,
+  ``key_value_dir_get_bytes``, ``key_value_delete`` of the previous call's key;
+* ``detection``: jddp's own ``Watchdog`` thread per simulated process (driven with the simulated client, its
+  exit replaced by a record of when and what it found), at ``--peer-timeout``; after ``--warmup`` s one
+  simulated process stops its watchdog (no more heartbeats: a frozen or killed process), and the time until each
+  survivor names it is taken. The steady state before the stop gives the service's load at the watchdog's own
+  pace (rounds every ``peer_timeout / 10`` s, at most 1 s).
+
+The preemption and checkpoint agreements (``jddp/checkpoint/preemption.py``, ``checkpointer.py``) are
+``multihost_utils.process_allgather``: a device collective over gloo, not a call to the coordination service, so
+it is not simulated here (its cost is gloo's, which needs devices).
+
+Per round: requests and bytes (keys and values sent and received; not gRPC's framing, nor the clients' own
+heartbeats to the service, which the service's CPU time includes), the service's CPU time
+(``/proc/<pid>/stat``), and the latency: ``p50`` is the median a process sees from its first call to its last;
+for the barrier and the all-gather ``group`` is from the last process's arrival to the last one's return; for the
+heartbeat round, from the first process's start to the last one's end. Each figure is the median of ``--reps``
+repetitions. The load average is printed with each row. The last table gives each cost's slope of log(cost) on
+log(N) (least squares): 1 is linear, 2 quadratic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import pickle
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jddp import validate
+
+OPS = ("heartbeat", "barrier", "all_gather")
+SMALL_VALUE = {"position": 1234, "batches": 56}  # the loader's agreement sends about this (jddp/data/loader.py)
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def size(value: Any) -> int:
+    """The bytes of a key-value call's arguments or result: strings (UTF-8) and bytes by length, numbers 8."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    if isinstance(value, bool | int | float):
+        return 8
+    if isinstance(value, list | tuple):
+        return sum(size(v) for v in value)
+    raise TypeError(f"size: no size for a value of type {type(value).__name__}")
+
+
+class Counted:
+    """A coordination-service client that counts each call (``requests``, by method) and its bytes (``sent``:
+    keys and values given, ``received``: what came back). One per simulated process: no locking."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.requests: dict[str, int] = {}
+        self.sent = 0
+        self.received = 0
+        self.values_received = 0  # key-value pairs a directory read returned
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.client, name)
+
+        def call(*args, **kwargs):
+            self.requests[name] = self.requests.get(name, 0) + 1
+            self.sent += size(list(args)) + size(list(kwargs.values()))
+            result = fn(*args, **kwargs)
+            self.received += size(result)
+            if name.startswith("key_value_dir_get"):
+                self.values_received += len(result)
+            return result
+
+        call.__name__ = name
+        return call
+
+    def take(self) -> dict[str, Any]:
+        """The counts so far, then zero."""
+        out = {
+            "requests": sum(self.requests.values()),
+            "by_call": dict(self.requests),
+            "sent": self.sent,
+            "received": self.received,
+            "values": self.values_received,
+        }
+        self.requests, self.sent, self.received, self.values_received = {}, 0, 0, 0
+        return out
+
+
+def add_counts(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {"requests": 0, "by_call": {}, "sent": 0, "received": 0, "values": 0}
+    for c in counts:
+        for key in ("requests", "sent", "received", "values"):
+            total[key] += c[key]
+        for name, k in c["by_call"].items():
+            total["by_call"][name] = total["by_call"].get(name, 0) + k
+    return total
+
+
+class SimProcess:
+    """One simulated jddp process: its task id, its counted client, and jddp's calls for each exchange."""
+
+    def __init__(self, process_id: int, num_processes: int, client: Any):
+        self.process_id, self.num_processes = process_id, num_processes
+        self.client = Counted(client)
+        self.counter = 0
+        self.barrier_count = 0
+        self.host_calls = 0
+        self.last_entries: dict[int, str] = {}  # the heartbeat values of the last round, by process
+        self.last_gathered: list[Any] = []  # the values of the last all-gather, in process order
+
+    def heartbeat(self) -> None:
+        """One watchdog round's calls (jddp/runtime/watchdog.py, Watchdog._watch: the value, the set, the read)."""
+        from jddp.runtime import progress, watchdog
+
+        self.counter += 1
+        value = watchdog._value(progress.publish(self.counter, False))
+        self.client.key_value_set(f"{watchdog.ALIVE_PREFIX}{self.process_id}", value, allow_overwrite=True)
+        values, _, _ = watchdog._entries(self.client.key_value_dir_get(watchdog.ALIVE_PREFIX))
+        self.last_entries = values
+
+    def barrier(self, timeout_s: float = 300.0) -> None:
+        """jddp.barrier's calls (jddp/runtime/distributed.py, barrier)."""
+        self.barrier_count += 1
+        barrier_id = f"jddp/barrier/sim/{self.barrier_count}"
+        self.client.key_value_set(f"{barrier_id}/{self.process_id}", "1", allow_overwrite=True)
+        self.client.wait_at_barrier(barrier_id, int(timeout_s * 1000))
+
+    def all_gather(self, value: Any = None, timeout_s: float = 300.0) -> list[Any]:
+        """jddp.host_all_gather's calls (jddp/runtime/host.py, _exchange), with its payload."""
+        from jddp.runtime import host
+
+        self.host_calls += 1
+        call = f"{host._PREFIX}/{self.host_calls}"
+        data = host._payload("host_all_gather", SMALL_VALUE if value is None else value, True)
+        self.client.key_value_set_bytes(f"{call}/{self.process_id}", data)
+        self.client.wait_at_barrier(call, int(timeout_s * 1000))
+        entries = {int(key.rsplit("/", 1)[1]): d for key, d in self.client.key_value_dir_get_bytes(f"{call}/")}
+        if self.host_calls > 1:
+            self.client.key_value_delete(f"{host._PREFIX}/{self.host_calls - 1}/{self.process_id}")
+        self.last_gathered = [pickle.loads(entries[i])[1] for i in range(self.num_processes)]
+        return self.last_gathered
+
+
+def make_watchdog_class():
+    """jddp's Watchdog, its exit replaced by a record (time, reason): N of them share one OS process here."""
+    from jddp.runtime import watchdog
+
+    class SimWatchdog(watchdog.Watchdog):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.found: tuple[float, str] | None = None
+
+        def _fail(self, reason: str, *, mark: str = watchdog.LOST, **kwargs) -> None:
+            # jddp's: a note, a line on stderr, the mark set for the peers (kept here), process 0's linger, os._exit
+            self.found = (time.monotonic(), reason)
+            with contextlib.suppress(Exception):
+                self.call(
+                    self.client.key_value_set, self.key, watchdog._value(mark), allow_overwrite=True, timeout_s=2.0
+                )
+            self.stopped.set()
+
+    return SimWatchdog
+
+
+class Worker:
+    """The simulated processes one OS process hosts, one thread each, run together on each command."""
+
+    def __init__(self, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int):
+        from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]  # jax.distributed.initialize's client
+
+        self.address, self.num_processes = address, num_processes
+        self.clients = [
+            _jax.get_distributed_runtime_client(
+                address, i, init_timeout=600, heartbeat_timeout=heartbeat_s, use_compression=True
+            )
+            for i in ids
+        ]
+        self.sims = [SimProcess(i, num_processes, c) for i, c in zip(ids, self.clients, strict=True)]
+        self.watchdogs: list[Any] = []
+
+    def _together(self, fn) -> list[Any]:
+        """``fn(sim)`` on every simulated process at once (a thread each); each one's (start, end, result)."""
+        out: list[Any] = [None] * len(self.sims)
+        go = threading.Event()
+
+        def run(k: int, sim: SimProcess) -> None:
+            go.wait()
+            start = time.monotonic()
+            try:
+                result = fn(sim)
+            except Exception as error:  # reported, not raised in a thread
+                result = error
+            out[k] = (start, time.monotonic(), result)
+
+        threads = [threading.Thread(target=run, args=(k, s), daemon=True) for k, s in enumerate(self.sims)]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join()
+        errors = [r for _, _, r in out if isinstance(r, Exception)]
+        if errors:
+            raise RuntimeError(f"{len(errors)} simulated process(es) failed: {errors[0]}")
+        return out
+
+    def connect(self) -> dict[str, Any]:
+        times = self._together(lambda sim: sim.client.connect())
+        return {"times": [(s, e) for s, e, _ in times]}
+
+    def op(self, name: str) -> dict[str, Any]:
+        times = self._together(lambda sim: getattr(sim, name)())
+        return {"times": [(s, e) for s, e, _ in times], "counts": add_counts([s.client.take() for s in self.sims])}
+
+    def start_watchdogs(self, peer_timeout_s: float) -> dict[str, Any]:
+        from jddp.runtime import watchdog
+
+        watchdog._arm_stack_dump = lambda timeout_s: None  # one faulthandler per OS process: not N of them
+        cls = make_watchdog_class()
+        for s in self.sims:
+            s.client.take()
+        self.watchdogs = [cls(s.client, s.process_id, self.num_processes, None, peer_timeout_s) for s in self.sims]
+        for w in self.watchdogs:
+            w.start()
+        return {}
+
+    def read(self, prefix: str) -> dict[str, Any]:
+        """The store's entries under ``prefix``, read by the first client past the counting (for checks)."""
+        return {"entries": list(self.clients[0].key_value_dir_get_bytes(prefix))}
+
+    def gathered(self) -> dict[str, Any]:
+        return {"values": self.sims[0].last_gathered}
+
+    def counts(self) -> dict[str, Any]:
+        return {"counts": add_counts([s.client.take() for s in self.sims])}
+
+    def stop_one(self, process_id: int) -> dict[str, Any]:
+        for w in self.watchdogs:
+            if w.process_id == process_id:
+                w.stopped.set()
+                return {"stopped_at": time.monotonic()}
+        raise ValueError(f"stop_one: process_id={process_id} is not hosted by this worker")
+
+    def found(self) -> dict[str, Any]:
+        return {"found": {w.process_id: w.found for w in self.watchdogs}}
+
+    def stop_watchdogs(self) -> dict[str, Any]:
+        for w in self.watchdogs:
+            w.stopped.set()
+        for w in self.watchdogs:
+            w.join(timeout=10)
+        return {}
+
+    def shutdown(self) -> dict[str, Any]:
+        self._together(lambda sim: sim.client.shutdown())
+        return {}
+
+
+def serve(connection, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int) -> None:
+    """A worker's loop: a command (a method of ``Worker`` and its arguments) in, its result out."""
+    try:
+        worker = Worker(address, ids, num_processes, heartbeat_s)
+    except Exception as error:
+        connection.send({"error": repr(error)})
+        return
+    connection.send({})
+    while True:
+        name, args = connection.recv()
+        try:
+            result = getattr(worker, name)(*args)
+        except Exception as error:
+            result = {"error": f"{name}: {error!r}"}
+        connection.send(result)
+        if name == "shutdown":
+            return
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user + system), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def loadavg() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def slope(ns: Sequence[float], costs: Sequence[float]) -> float:
+    """The least-squares slope of log(cost) on log(N) (1: linear, 2: quadratic); nan with fewer than two
+    positive costs."""
+    points = [(math.log(n), math.log(c)) for n, c in zip(ns, costs, strict=True) if c > 0]
+    if len(points) < 2:
+        return float("nan")
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return float("nan")
+    return sum((x - mx) * (y - my) for x, y in points) / sxx
+
+
+class Group:
+    """The service and the workers for one N."""
+
+    def __init__(self, num_processes: int, workers: int, peer_timeout_s: float, inprocess: bool = False):
+        from jddp.runtime import coordinator, distributed
+
+        self.n = num_processes
+        self.address = f"127.0.0.1:{free_port()}"
+        heartbeat_s = int(peer_timeout_s + distributed.HEARTBEAT_MARGIN_S)  # as jddp.initialize sets it
+        argv = [self.address, str(num_processes), str(heartbeat_s), "5"]  # jddp.runtime.coordinator's USAGE
+        self.service = subprocess.Popen(
+            [sys.executable, "-u", "-m", "jddp.runtime.coordinator", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert self.service.stdout is not None
+        line = self.service.stdout.readline().decode()
+        if not line.startswith(coordinator.READY):
+            self.service.kill()
+            raise RuntimeError(f"the coordination service did not start: {line!r}")
+        workers = min(workers, num_processes)
+        self.ids = [list(range(w, num_processes, workers)) for w in range(workers)]
+        self.connections = []
+        self.procs: list[Any] = []
+        context = multiprocessing.get_context("spawn")
+        for ids in self.ids:
+            mine, theirs = multiprocessing.Pipe()
+            target_args = (theirs, self.address, ids, num_processes, heartbeat_s)
+            if inprocess:
+                proc: Any = threading.Thread(target=serve, args=target_args, daemon=True)
+            else:
+                proc = context.Process(target=serve, args=target_args, daemon=True)
+            proc.start()
+            self.connections.append(mine)
+            self.procs.append(proc)
+        for c in self.connections:
+            answer = c.recv()
+            if "error" in answer:
+                self.close()
+                raise RuntimeError(f"a worker did not start: {answer['error']}")
+
+    def all(self, name: str, *args) -> list[dict[str, Any]]:
+        """Runs ``Worker.<name>(*args)`` on every worker at once; their answers."""
+        for c in self.connections:
+            c.send((name, args))
+        answers = [c.recv() for c in self.connections]
+        for a in answers:
+            if "error" in a:
+                raise RuntimeError(f"worker: {a['error']}")
+        return answers
+
+    def one(self, worker: int, name: str, *args) -> dict[str, Any]:
+        self.connections[worker].send((name, args))
+        answer = self.connections[worker].recv()
+        if "error" in answer:
+            raise RuntimeError(f"worker {worker}: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.all("shutdown")
+        for p in self.procs:
+            if isinstance(p, threading.Thread):
+                p.join(timeout=10)
+            else:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        if self.service.poll() is None:
+            self.service.terminate()
+            try:
+                self.service.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
+
+
+def measure(
+    num_processes: int,
+    *,
+    workers: int = 4,
+    reps: int = 10,
+    peer_timeout_s: float = 5.0,
+    warmup_s: float = 3.0,
+    detection: bool = True,
+    inprocess: bool = False,
+) -> dict[str, Any]:
+    """Every figure at one N (see the module docstring); the raw numbers as a dict."""
+    validate.check_int("num_processes", num_processes, minimum=2)
+    validate.check_int("workers", workers, minimum=1)
+    validate.check_int("reps", reps, minimum=1)
+    validate.check_number("peer_timeout_s", peer_timeout_s, unit="seconds")
+    validate.check_number("warmup_s", warmup_s, unit="seconds")
+    result: dict[str, Any] = {"n": num_processes, "workers": workers, "load_start": loadavg()}
+    t0 = time.monotonic()
+    group = Group(num_processes, workers, peer_timeout_s, inprocess=inprocess)
+    try:
+        spans = [t for a in group.all("connect") for t in a["times"]]
+        result["start_s"] = time.monotonic() - t0  # the service and the workers started, the clients made
+        result["join_s"] = max(e for _, e in spans) - min(s for s, _ in spans)  # connect(): first call to last return
+        pid = group.service.pid
+        for op in OPS:
+            group.all("op", op)  # a warm-up repetition (first keys, the barrier's first use)
+            cpu0 = cpu_s(pid)
+            latencies, groups, counts = [], [], []
+            for _ in range(reps):
+                answers = group.all("op", op)
+                times = [t for a in answers for t in a["times"]]
+                counts.append(add_counts([a["counts"] for a in answers]))
+                latencies.append(statistics.median(e - s for s, e in times))
+                first = min(s for s, _ in times) if op == "heartbeat" else max(s for s, _ in times)
+                groups.append(max(e for _, e in times) - first)
+            total = add_counts(counts)
+            result[op] = {
+                "p50_ms": 1e3 * statistics.median(latencies),
+                "group_ms": 1e3 * statistics.median(groups),
+                "service_cpu_ms": 1e3 * (cpu_s(pid) - cpu0) / reps,
+                "requests": total["requests"] / reps,
+                "bytes": (total["sent"] + total["received"]) / reps,
+                "values": total["values"] / reps,
+                "by_call": {k: v / reps for k, v in total["by_call"].items()},
+            }
+        if detection:
+            result["detection"] = detect(group, peer_timeout_s, warmup_s)
+    finally:
+        group.close()
+    result["load_end"] = loadavg()
+    return result
+
+
+def detect(group: Group, peer_timeout_s: float, warmup_s: float) -> dict[str, Any]:
+    """jddp's watchdogs at their own pace: the steady state for ``warmup_s``, then the last process stops."""
+    pid = group.service.pid
+    group.all("start_watchdogs", peer_timeout_s)
+    time.sleep(min(1.0, warmup_s))  # the first rounds
+    group.all("counts")
+    cpu0, w0 = cpu_s(pid), time.monotonic()
+    time.sleep(warmup_s)
+    counts = add_counts([a["counts"] for a in group.all("counts")])
+    elapsed, cpu = time.monotonic() - w0, cpu_s(pid) - cpu0
+    victim = group.n - 1
+    host = next(k for k, ids in enumerate(group.ids) if victim in ids)
+    stopped_at = group.one(host, "stop_one", victim)["stopped_at"]
+    deadline = time.monotonic() + 4 * peer_timeout_s + 10
+    found: dict[int, Any] = {}
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        found = {p: f for a in group.all("found") for p, f in a["found"].items() if p != victim}
+        if all(f is not None for f in found.values()):
+            break
+    group.all("stop_watchdogs")
+    delays = sorted(f[0] - stopped_at for f in found.values() if f is not None)
+    named = sum(1 for f in found.values() if f is not None and f"lost process(es) [{victim}]" in f[1])
+    interval = max(0.05, min(peer_timeout_s / 10, 1.0))  # Watchdog.interval
+    return {
+        "steady_s": elapsed,
+        "rounds_per_s": counts["by_call"].get("key_value_dir_get", 0) / elapsed / group.n,
+        "interval_s": interval,
+        "requests_per_s": counts["requests"] / elapsed,
+        "bytes_per_s": (counts["sent"] + counts["received"]) / elapsed,
+        "service_cpu_per_s": cpu / elapsed,
+        "survivors": len(found),
+        "knew": len(delays),
+        "named": named,
+        "first_s": delays[0] if delays else None,
+        "median_s": statistics.median(delays) if delays else None,
+        "all_s": delays[-1] if len(delays) == len(found) and delays else None,
+        "reasons": sorted({f[1][:120] for f in found.values() if f is not None})[:3],
+    }
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    columns = [
+        ("join s", lambda r: r["join_s"]),
+        ("hb req", lambda r: r["heartbeat"]["requests"]),
+        ("hb values", lambda r: r["heartbeat"]["values"]),
+        ("hb bytes", lambda r: r["heartbeat"]["bytes"]),
+        ("hb cpu ms", lambda r: r["heartbeat"]["service_cpu_ms"]),
+        ("hb p50 ms", lambda r: r["heartbeat"]["p50_ms"]),
+        ("hb group ms", lambda r: r["heartbeat"]["group_ms"]),
+        ("bar req", lambda r: r["barrier"]["requests"]),
+        ("bar bytes", lambda r: r["barrier"]["bytes"]),
+        ("bar cpu ms", lambda r: r["barrier"]["service_cpu_ms"]),
+        ("bar ms", lambda r: r["barrier"]["group_ms"]),
+        ("ag req", lambda r: r["all_gather"]["requests"]),
+        ("ag bytes", lambda r: r["all_gather"]["bytes"]),
+        ("ag cpu ms", lambda r: r["all_gather"]["service_cpu_ms"]),
+        ("ag ms", lambda r: r["all_gather"]["group_ms"]),
+        ("wd cpu/s", lambda r: r["detection"]["service_cpu_per_s"] if "detection" in r else None),
+        ("wd rounds/s", lambda r: r["detection"]["rounds_per_s"] if "detection" in r else None),
+        ("detect all s", lambda r: r["detection"]["all_s"] if "detection" in r else None),
+    ]
+
+    def fmt(v) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
+
+    lines = ["| N | load | " + " | ".join(c for c, _ in columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for r in results:
+        load = f"{r['load_start']:.1f}-{r['load_end']:.1f}"
+        lines.append(f"| {r['n']} | {load} | " + " | ".join(fmt(get(r)) for _, get in columns) + " |")
+    ns = [r["n"] for r in results]
+    slopes = []
+    for _, get in columns:
+        values = [get(r) for r in results]
+        ok = [(n, v) for n, v in zip(ns, values, strict=True) if v is not None]
+        slopes.append(slope([n for n, _ in ok], [v for _, v in ok]) if len(ok) > 1 else float("nan"))
+    lines.append("| slope | | " + " | ".join(f"{s:.2f}" for s in slopes) + " |")
+    return "\n".join(lines)
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--n={text!r} must be process counts separated by commas, e.g. 2,8,32") from None
+    if not counts or any(n < 2 for n in counts):
+        raise ValueError(f"--n={text!r}: every process count must be at least 2, e.g. 2,8,32")
+    return counts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--n", default="2,8,32,128", help="process counts, comma-separated")
+    parser.add_argument("--workers", type=int, default=4, help="OS processes hosting the simulated ones")
+    parser.add_argument("--reps", type=int, default=10, help="repetitions of each exchange (medians)")
+    parser.add_argument("--peer-timeout", type=float, default=5.0, help="the watchdog's peer timeout (s)")
+    parser.add_argument("--warmup", type=float, default=3.0, help="watchdogs' steady state before the stop (s)")
+    parser.add_argument("--no-detection", action="store_true", help="skip the watchdogs and failure detection")
+    parser.add_argument("--json", default=None, help="also write the raw figures to this file")
+    args = parser.parse_args(argv)
+    counts = parse_counts(args.n)
+    results = []
+    for n in counts:
+        r = measure(
+            n,
+            workers=args.workers,
+            reps=args.reps,
+            peer_timeout_s=args.peer_timeout,
+            warmup_s=args.warmup,
+            detection=not args.no_detection,
+        )
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": list(sys.argv), "results": results}, f, indent=1)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
