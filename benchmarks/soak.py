@@ -119,6 +119,11 @@ def run(args) -> tuple[int, dict[int, list[dict]]]:
         if launcher.returncode != 0:
             print(text[-3000:], file=sys.stderr)
         print("  " + next((line for line in reversed(text.splitlines()) if "fit: " in line), "(no fit line)").strip())
+        # A snapshot write that failed (e.g. its directory removed under the run) is warned of once and the run goes
+        # on without snapshots: the soak would then measure less than it says. Its warnings are shown.
+        warned = dict.fromkeys(line.strip() for line in text.splitlines() if "Warning" in line or "warn" in line)
+        for line in list(warned)[:5]:
+            print("  " + line[:300])
     return launcher.returncode, samples
 
 
