@@ -354,6 +354,8 @@ class Group:
         line = self.service.stdout.readline().decode()
         if not line.startswith(coordinator.READY):
             self.service.kill()
+            self.service.wait()
+            self.service.stdout.close()
             raise RuntimeError(f"the coordination service did not start: {line!r}")
         workers = min(workers, num_processes)
         self.ids = [list(range(w, num_processes, workers)) for w in range(workers)]
@@ -403,6 +405,8 @@ class Group:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
+        if self.service.stdout is not None:
+            self.service.stdout.close()
         if self.service.poll() is None:
             self.service.terminate()
             try:

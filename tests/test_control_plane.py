@@ -1,0 +1,90 @@
+"""The control-plane simulator (benchmarks/control_plane.py) itself: its counts, its failure detection, its slope."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from benchmarks import control_plane
+from jddp.runtime import progress
+
+
+@pytest.fixture(scope="module")
+def group():
+    # 4 simulated processes in 2 in-process workers, the service in a process of its own; peer timeout 1 s
+    g = control_plane.Group(4, 2, 1.0, inprocess=True)
+    try:
+        g.all("connect")
+        yield g
+    finally:
+        g.close()
+
+
+def test_counts_are_what_the_service_holds(group, monkeypatch):
+    # heartbeat values of one length whatever the round (the real ones carry a phase age that may gain a digit)
+    monkeypatch.setattr(progress, "publish", lambda counter, waiting: f"{counter % 10};0;0;0;1.000;0;step;0.5")
+    n = group.n
+    group.all("op", "heartbeat")  # every key exists: each read below finds all N
+    answers = group.all("op", "heartbeat")
+    counts = control_plane.add_counts([a["counts"] for a in answers])
+    assert counts["by_call"] == {"key_value_set": n, "key_value_dir_get": n}
+    # The reference: the heartbeat keys and values as the service holds them, read by an uncounted client.
+    stored = [(k, v.decode()) for k, v in group.one(0, "read", "jddp/alive/")["entries"]]
+    assert sorted(int(k.rsplit("/", 1)[1]) for k, _ in stored) == list(range(n))
+    one_pair = {k: len(k.encode()) + len(v.encode()) for k, v in stored}
+    # each process sends its own key and value (and the flag), receives every pair: N^2 values per round
+    prefix = len(b"jddp/alive/")
+    expected = sum(one_pair.values()) + 8 * n + n * prefix + n * sum(one_pair.values())
+    assert counts["values"] == n * n
+    assert counts["sent"] + counts["received"] == expected
+    answers = group.all("op", "barrier")
+    assert control_plane.add_counts([a["counts"] for a in answers])["by_call"] == {
+        "key_value_set": n,
+        "wait_at_barrier": n,
+    }
+    group.all("op", "all_gather")
+    answers = group.all("op", "all_gather")  # the second call deletes the first one's keys
+    counts = control_plane.add_counts([a["counts"] for a in answers])
+    assert counts["by_call"] == dict.fromkeys(
+        ("key_value_set_bytes", "wait_at_barrier", "key_value_dir_get_bytes", "key_value_delete"), n
+    )
+    assert counts["values"] == n * n
+    assert group.one(0, "read", "jddp/host/1/")["entries"] == []  # deleted by every process
+    gathered = group.one(1, "gathered")["values"]
+    assert gathered == [control_plane.SMALL_VALUE] * n
+
+
+def test_detection_names_the_stopped_process(group):
+    # after the counts test (module order): the watchdogs start from the values the rounds above left
+    found = control_plane.detect(group, 1.0, 0.5)
+    assert found["survivors"] == group.n - 1
+    assert found["knew"] == group.n - 1
+    assert found["named"] >= 1
+    # each names the stopped process (3) silent, or a survivor that named it first and ended (as jddp's do)
+    assert all(re.match(r"lost process\(es\) \[3\]|process [0-2] lost a peer", r) for r in found["reasons"])
+    interval = found["interval_s"]
+    # jddp's rule: silent for more than the peer timeout, seen at a round (its last value was read at most a
+    # round before the stop); the upper bound is the simulator's own deadline, not a timing claim
+    assert found["all_s"] is not None and found["all_s"] >= 1.0 - interval
+    assert found["rounds_per_s"] > 0
+
+
+def test_slope_against_numpy():
+    rng = np.random.default_rng(0)
+    ns = [2, 8, 32, 128, 512]
+    costs = [float(c) for c in 3.0 * np.asarray(ns) ** 1.7 * rng.uniform(0.8, 1.25, len(ns))]
+    reference = np.polyfit(np.log(ns), np.log(costs), 1)[0]
+    assert math.isclose(control_plane.slope(ns, costs), reference, rel_tol=1e-9)
+    assert math.isnan(control_plane.slope([8], [1.0]))
+
+
+def test_bad_process_counts_are_refused():
+    with pytest.raises(ValueError, match="--n='1,8'"):
+        control_plane.parse_counts("1,8")
+    with pytest.raises(ValueError, match="--n='2,x'"):
+        control_plane.parse_counts("2,x")
+    with pytest.raises(ValueError, match="num_processes"):
+        control_plane.measure(1)
