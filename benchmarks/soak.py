@@ -77,9 +77,14 @@ def run(args) -> tuple[int, dict[int, list[dict]]]:
     per_epoch = TRAIN_EXAMPLES // GLOBAL_BATCH
     epochs = math.ceil(args.steps / per_epoch)
     samples: dict[int, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as run_dir:
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory(prefix="soak-", dir=shm) as snaps:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("XLA_FLAGS", None)
+        # The snapshots go to a directory of the soak's own (removed at its end), not the launcher's: a launcher in
+        # another PID namespace sharing /dev/shm (a container, a sandboxed test) sees no process with this launcher's
+        # pid and removes its jddp-snapshots-<pid>-* directory as a leftover; the run then goes on without snapshots.
+        env.setdefault("JDDP_SNAPSHOT_DIR", snaps)
         if args.no_snapshots:
             env["JDDP_SNAPSHOTS"] = "0"
         if args.snapshot_every:
