@@ -188,3 +188,35 @@ def test_a_standby_that_dies_is_replaced_by_new_processes_and_one_never_woken_ne
     assert {pid for *_, pid in steps} == {ready[a, p] for a in range(2) for p in range(2)}
     assert [n[-1] for n in notes if n[:3] == ["STEP", "1", "0"]][-1] == "29"
     assert not [line for line in done.stdout.splitlines() if not line.startswith(("[0] ", "[1] "))], done.stdout
+
+
+def test_a_snapshot_directory_is_swept_when_no_launcher_holds_its_lock_whatever_its_pid_says(tmp_path):
+    """The lock decides (it holds across PID namespaces, where a pid names nobody or somebody else); a directory
+    without one (an older launcher's) is judged by its pid; the directory a launcher makes is locked from the
+    moment it has its name."""
+    import fcntl
+
+    dead = 2**22 + 12345  # above pid_max's default: no process here
+
+    def made(name: str, *, lock: bool) -> Path:
+        path = tmp_path / f"{launch_lib.SNAPSHOT_PREFIX}{name}"
+        path.mkdir()
+        if lock:
+            (path / launch_lib.SNAPSHOT_LOCK).touch()
+        return path
+
+    held = made(f"{dead}-held", lock=True)  # its launcher runs in another PID namespace
+    fd = os.open(held / launch_lib.SNAPSHOT_LOCK, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    released = made(f"{os.getpid()}-released", lock=True)  # a live pid here, but nobody holds the lock
+    old_dead, old_live = made(f"{dead}-old", lock=False), made(f"{os.getpid()}-old", lock=False)
+    new, new_fd = launch_lib.make_locked_dir(str(tmp_path))
+    try:
+        removed = launch_lib.sweep_snapshots(str(tmp_path))
+        assert sorted(removed) == sorted([str(released), str(old_dead)])
+        assert held.is_dir() and old_live.is_dir() and os.path.isdir(new)
+        assert Path(new).name.startswith(f"{launch_lib.SNAPSHOT_PREFIX}{os.getpid()}-")
+    finally:
+        os.close(fd)
+        os.close(new_fd)
+    assert sorted(launch_lib.sweep_snapshots(str(tmp_path))) == sorted([str(held), new])  # their locks now free

@@ -111,7 +111,10 @@ The snapshot directory: each launcher makes one directory in memory for the run 
 a tmpfs, else the temporary directory: ``jddp-snapshots-<launcher pid>-<random>``), passes it to every process
 as ``JDDP_SNAPSHOT_DIR``, keeps it across attempts and removes it when it ends; one the user set in
 ``JDDP_SNAPSHOT_DIR`` is passed instead and never removed. A launcher that was SIGKILLed leaves its directory:
-each launcher removes, when it starts, the ``jddp-snapshots-<pid>-*`` directories whose launcher no longer runs.
+each launcher removes, when it starts, the ``jddp-snapshots-<pid>-*`` directories whose launcher no longer runs:
+whose lock file no process holds (a launcher holds a ``flock`` on its directory's ``SNAPSHOT_LOCK`` while it runs,
+and the kernel drops it when the launcher dies, SIGKILL included; this holds across PID namespaces that share
+``/dev/shm``, where a pid names nobody or somebody else).
 
 From Python: ``launch(config_from_args(get_args_parser().parse_args(argv)))``, or
 ``launch(LaunchConfig(target="train.py", nprocs=2))``; ``launch`` returns the exit
@@ -128,6 +131,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -173,6 +177,7 @@ STANDBY_READY = "standby process(es) of the next attempt ready: compiled, waitin
 PREPARE_AFTER_S = 3.0
 ENV_SNAPSHOT_DIR = "JDDP_SNAPSHOT_DIR"  # the run's snapshot directory (jddp.envvars)
 SNAPSHOT_PREFIX = "jddp-snapshots-"  # the launcher's snapshot directory: jddp-snapshots-<launcher pid>-<random>
+SNAPSHOT_LOCK = ".launcher.lock"  # in it: flocked by its launcher while it runs (sweep_snapshots)
 
 
 def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
@@ -438,27 +443,63 @@ def snapshot_base() -> str:
     return tempfile.gettempdir()
 
 
+def make_locked_dir(base: str) -> tuple[str, int]:
+    """A new snapshot directory in ``base``, ``jddp-snapshots-<pid>-<random>``, and the descriptor of its
+    ``SNAPSHOT_LOCK`` file, on which this process holds an exclusive ``flock`` until it ends (the kernel drops it
+    when the process dies, SIGKILL included). The directory is made and locked under a name ``sweep_snapshots``
+    ignores, then renamed: it is never seen unlocked."""
+    hidden = tempfile.mkdtemp(prefix=f".{SNAPSHOT_PREFIX}{os.getpid()}-", dir=base)
+    fd = os.open(os.path.join(hidden, SNAPSHOT_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    path = os.path.join(base, os.path.basename(hidden)[1:])
+    os.rename(hidden, path)
+    return path, fd
+
+
 def sweep_snapshots(base: str) -> list[str]:
-    """Removes the snapshot directories in ``base`` of launchers of this host that no longer run (one SIGKILLed
-    cannot remove its own); returns them. Those of running launchers, and of other users', stay."""
+    """Removes the snapshot directories in ``base`` of launchers that no longer run (one SIGKILLed cannot remove its
+    own); returns them. A directory's launcher runs while it holds the ``flock`` of its ``SNAPSHOT_LOCK`` file: that
+    holds across PID namespaces (containers sharing ``/dev/shm``), where a pid says nothing. Those of running
+    launchers, and of other users' (not ours to lock), stay. A directory without the lock file (a launcher of an
+    older jddp) is judged by its pid, as before."""
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(base):
             pid = name[len(SNAPSHOT_PREFIX) :].split("-", 1)[0]
-            if not name.startswith(SNAPSHOT_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+            if not name.startswith(SNAPSHOT_PREFIX) or not pid.isdigit():
                 continue
-            try:
-                os.kill(int(pid), 0)
-                continue  # its launcher runs
-            except PermissionError:
-                continue  # another user's process runs under that pid
-            except ProcessLookupError:
-                pass
             path = os.path.join(base, name)
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                fd = os.open(os.path.join(path, SNAPSHOT_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = None
+            except OSError:
+                continue  # another user's, or going away
+            try:
+                if fd is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        continue  # its launcher runs
+                elif int(pid) == os.getpid() or _pid_runs(int(pid)):
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                if fd is not None:
+                    os.close(fd)
             if not os.path.exists(path):
                 removed.append(path)
     return removed
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process runs under that pid
+    return True
 
 
 def pidfd(pid: int) -> int | None:
@@ -508,6 +549,7 @@ class _Launcher:
         self.reapers: list[threading.Thread] = []  # services stopping in the background, joined at the end
         self.snapshot_dir: str | None = None  # JDDP_SNAPSHOT_DIR, made by run() unless the user set one
         self.own_snapshot_dir = False
+        self.snapshot_lock: int | None = None  # the flock held on the directory's lock file (make_locked_dir)
 
     # -- the coordination service (node 0 only) -------------------------------
     def start_service(self, coordinator: str) -> None:
@@ -1330,6 +1372,8 @@ class _Launcher:
             shutil.rmtree(self.note_dir, ignore_errors=True)
             if self.own_snapshot_dir and self.snapshot_dir is not None:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            if self.snapshot_lock is not None:
+                os.close(self.snapshot_lock)
             if self.reports is not None:
                 self.reports.close()
 
@@ -1343,7 +1387,7 @@ class _Launcher:
         base = snapshot_base()
         for path in sweep_snapshots(base):
             self.output.say(f"removed {path}, the snapshot directory of a launcher that no longer runs")
-        self.snapshot_dir = tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{os.getpid()}-", dir=base)
+        self.snapshot_dir, self.snapshot_lock = make_locked_dir(base)
         self.own_snapshot_dir = True
 
 
