@@ -191,6 +191,33 @@ def make_watchdog_class():
     return SimWatchdog
 
 
+class LightRound(threading.Thread):
+    """A simulated process that makes the watchdog's calls at its pace (jddp/runtime/watchdog.py,
+    ``Watchdog._watch``: ``key_value_set`` of its value, ``key_value_dir_get`` of ``ALIVE_PREFIX``) and judges
+    nothing: the same load at the service, without the N values parsed in Python (``--observers``)."""
+
+    def __init__(self, sim: SimProcess, peer_timeout_s: float):
+        from jddp.runtime import watchdog
+
+        super().__init__(name=f"sim-round-{sim.process_id}", daemon=True)
+        self.client, self.process_id = sim.client, sim.process_id
+        self.interval = max(0.05, min(peer_timeout_s / 10, watchdog.MAX_ROUND_S))  # as Watchdog.interval
+        self.key = f"{watchdog.ALIVE_PREFIX}{sim.process_id}"
+        self.stopped = threading.Event()
+        self.found = None
+        self.counter = 0
+
+    def run(self) -> None:
+        from jddp.runtime import progress, watchdog
+
+        while not self.stopped.wait(self.interval):
+            self.counter += 1
+            with contextlib.suppress(Exception):
+                value = watchdog._value(progress.publish(self.counter, False))
+                self.client.key_value_set(self.key, value, allow_overwrite=True)
+                self.client.key_value_dir_get(watchdog.ALIVE_PREFIX)
+
+
 class Worker:
     """The simulated processes one OS process hosts, one thread each, run together on each command."""
 
@@ -240,14 +267,21 @@ class Worker:
         times = self._together(lambda sim: getattr(sim, name)())
         return {"times": [(s, e) for s, e, _ in times], "counts": add_counts([s.client.take() for s in self.sims])}
 
-    def start_watchdogs(self, peer_timeout_s: float) -> dict[str, Any]:
+    def start_watchdogs(self, peer_timeout_s: float, observers: int | None = None) -> dict[str, Any]:
+        """jddp's Watchdog for every simulated process, or only for those below ``observers`` (the others:
+        ``LightRound``)."""
         from jddp.runtime import watchdog
 
         watchdog._arm_stack_dump = lambda timeout_s: None  # one faulthandler per OS process: not N of them
         cls = make_watchdog_class()
         for s in self.sims:
             s.client.take()
-        self.watchdogs = [cls(s.client, s.process_id, self.num_processes, None, peer_timeout_s) for s in self.sims]
+        self.watchdogs = [
+            cls(s.client, s.process_id, self.num_processes, None, peer_timeout_s)
+            if observers is None or s.process_id < observers
+            else LightRound(s, peer_timeout_s)
+            for s in self.sims
+        ]
         for w in self.watchdogs:
             w.start()
         return {}
@@ -270,7 +304,7 @@ class Worker:
         raise ValueError(f"stop_one: process_id={process_id} is not hosted by this worker")
 
     def found(self) -> dict[str, Any]:
-        return {"found": {w.process_id: w.found for w in self.watchdogs}}
+        return {"found": {w.process_id: w.found for w in self.watchdogs if not isinstance(w, LightRound)}}
 
     def stop_watchdogs(self) -> dict[str, Any]:
         for w in self.watchdogs:
@@ -338,12 +372,20 @@ def slope(ns: Sequence[float], costs: Sequence[float]) -> float:
 class Group:
     """The service and the workers for one N."""
 
-    def __init__(self, num_processes: int, workers: int, peer_timeout_s: float, inprocess: bool = False):
+    def __init__(
+        self,
+        num_processes: int,
+        workers: int,
+        peer_timeout_s: float,
+        inprocess: bool = False,
+        service_heartbeat_s: int | None = None,
+    ):
         from jddp.runtime import coordinator, distributed
 
         self.n = num_processes
         self.address = f"127.0.0.1:{free_port()}"
-        heartbeat_s = int(peer_timeout_s + distributed.HEARTBEAT_MARGIN_S)  # as jddp.initialize sets it
+        # JAX's own heartbeat timeout (each client to the service): as jddp.initialize sets it, unless given
+        heartbeat_s = service_heartbeat_s or int(peer_timeout_s + distributed.HEARTBEAT_MARGIN_S)
         argv = [self.address, str(num_processes), str(heartbeat_s), "5"]  # jddp.runtime.coordinator's USAGE
         self.service = subprocess.Popen(
             [sys.executable, "-u", "-m", "jddp.runtime.coordinator", *argv],
@@ -423,7 +465,9 @@ def measure(
     peer_timeout_s: float = 5.0,
     warmup_s: float = 3.0,
     detection: bool = True,
+    observers: int | None = None,
     inprocess: bool = False,
+    service_heartbeat_s: int | None = None,
 ) -> dict[str, Any]:
     """Every figure at one N (see the module docstring); the raw numbers as a dict."""
     validate.check_int("num_processes", num_processes, minimum=2)
@@ -433,7 +477,7 @@ def measure(
     validate.check_number("warmup_s", warmup_s, unit="seconds")
     result: dict[str, Any] = {"n": num_processes, "workers": workers, "load_start": loadavg()}
     t0 = time.monotonic()
-    group = Group(num_processes, workers, peer_timeout_s, inprocess=inprocess)
+    group = Group(num_processes, workers, peer_timeout_s, inprocess=inprocess, service_heartbeat_s=service_heartbeat_s)
     try:
         spans = [t for a in group.all("connect") for t in a["times"]]
         result["start_s"] = time.monotonic() - t0  # the service and the workers started, the clients made
@@ -460,18 +504,27 @@ def measure(
                 "values": total["values"] / reps,
                 "by_call": {k: v / reps for k, v in total["by_call"].items()},
             }
+            print(f"N={num_processes} {op}: {json.dumps(result[op])}", file=sys.stderr, flush=True)
         if detection:
-            result["detection"] = detect(group, peer_timeout_s, warmup_s)
+            if observers is not None and observers >= num_processes - 1:
+                observers = None  # every survivor observes
+            result["detection"] = detect(group, peer_timeout_s, warmup_s, observers)
     finally:
         group.close()
     result["load_end"] = loadavg()
     return result
 
 
-def detect(group: Group, peer_timeout_s: float, warmup_s: float) -> dict[str, Any]:
-    """jddp's watchdogs at their own pace: the steady state for ``warmup_s``, then the last process stops."""
+def detect(group: Group, peer_timeout_s: float, warmup_s: float, observers: int | None = None) -> dict[str, Any]:
+    """jddp's watchdogs at their own pace: the steady state for ``warmup_s``, then the last process stops.
+    With ``observers``, only the processes below it run jddp's Watchdog (and are timed); the others make its calls
+    (``LightRound``)."""
+    if observers is not None:
+        validate.check_int("observers", observers, minimum=1)
+        if observers >= group.n:
+            raise ValueError(f"detect: observers={observers} must be below N={group.n} (the last one is stopped)")
     pid = group.service.pid
-    group.all("start_watchdogs", peer_timeout_s)
+    group.all("start_watchdogs", peer_timeout_s, observers)
     time.sleep(min(1.0, warmup_s))  # the first rounds
     group.all("counts")
     cpu0, w0 = cpu_s(pid), time.monotonic()
@@ -499,6 +552,7 @@ def detect(group: Group, peer_timeout_s: float, warmup_s: float) -> dict[str, An
         "requests_per_s": counts["requests"] / elapsed,
         "bytes_per_s": (counts["sent"] + counts["received"]) / elapsed,
         "service_cpu_per_s": cpu / elapsed,
+        "observers": observers,
         "survivors": len(found),
         "knew": len(delays),
         "named": named,
@@ -568,6 +622,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peer-timeout", type=float, default=5.0, help="the watchdog's peer timeout (s)")
     parser.add_argument("--warmup", type=float, default=3.0, help="watchdogs' steady state before the stop (s)")
     parser.add_argument("--no-detection", action="store_true", help="skip the watchdogs and failure detection")
+    parser.add_argument(
+        "--observers",
+        type=int,
+        default=None,
+        help="only processes below this run jddp's Watchdog and are timed; the others make its calls without "
+        "judging (the simulator's own CPU: N watchdogs parse N^2 values a round)",
+    )
+    parser.add_argument(
+        "--service-heartbeat",
+        type=int,
+        default=None,
+        help="JAX's own heartbeat timeout of each client (s; default: the peer timeout + 15, as jddp sets it)",
+    )
     parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     args = parser.parse_args(argv)
     counts = parse_counts(args.n)
@@ -580,6 +647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             peer_timeout_s=args.peer_timeout,
             warmup_s=args.warmup,
             detection=not args.no_detection,
+            observers=args.observers,
+            service_heartbeat_s=args.service_heartbeat,
         )
         results.append(r)
         print(json.dumps(r), flush=True)
