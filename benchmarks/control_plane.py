@@ -21,7 +21,9 @@ process makes, through a proxy that counts every call and the bytes of its keys 
   exit replaced by a record of when and what it found), at ``--peer-timeout``; after ``--warmup`` s one
   simulated process stops its watchdog (no more heartbeats: a frozen or killed process), and the time until each
   survivor names it is taken. The steady state before the stop gives the service's load at the watchdog's own
-  pace (rounds every ``peer_timeout / 10`` s, at most 1 s).
+  pace (rounds every ``peer_timeout / 10`` s, at most 1 s). ``--observers K``: only processes below K run
+  jddp's Watchdog (and are timed); the others make its two calls at its pace without parsing the N values
+  (``LightRound``): the same load at the service, far less of the simulator's own CPU.
 
 The preemption and checkpoint agreements (``jddp/checkpoint/preemption.py``, ``checkpointer.py``) are
 ``multihost_utils.process_allgather``: a device collective over gloo, not a call to the coordination service, so
@@ -33,7 +35,15 @@ heartbeats to the service, which the service's CPU time includes), the service's
 for the barrier and the all-gather ``group`` is from the last process's arrival to the last one's return; for the
 heartbeat round, from the first process's start to the last one's end. Each figure is the median of ``--reps``
 repetitions. The load average is printed with each row. The last table gives each cost's slope of log(cost) on
-log(N) (least squares): 1 is linear, 2 quadratic.
+log(N) (least squares): 1 is linear, 2 quadratic. ``--ops`` picks the exchanges (``none``: detection alone).
+
+What bounds the simulator: all N clients share this machine's cores (each client is about three C++ threads
+and one Python thread), so past a few hundred clients on 2 cores the latencies measure the clients' own CPU
+(N^2 values turned into Python objects per round) more than the service, whose CPU time stays the figure to
+read; the watchdogs' rounds fall behind their interval, and a round later than half the peer timeout judges
+nobody (the watchdog's ``starved`` rule), so detection needs ``--observers`` and a longer ``--peer-timeout``
+there. JAX's own client heartbeat (``--service-heartbeat``; by default the peer timeout + 15 s, as jddp sets it)
+can be missed too, and then the service aborts every client (measured on a 2-core VM at N = 1024, 26 Nov 2026).
 """
 
 from __future__ import annotations
@@ -468,6 +478,7 @@ def measure(
     observers: int | None = None,
     inprocess: bool = False,
     service_heartbeat_s: int | None = None,
+    ops: Sequence[str] = OPS,
 ) -> dict[str, Any]:
     """Every figure at one N (see the module docstring); the raw numbers as a dict."""
     validate.check_int("num_processes", num_processes, minimum=2)
@@ -475,6 +486,8 @@ def measure(
     validate.check_int("reps", reps, minimum=1)
     validate.check_number("peer_timeout_s", peer_timeout_s, unit="seconds")
     validate.check_number("warmup_s", warmup_s, unit="seconds")
+    if any(op not in OPS for op in ops):
+        raise ValueError(f"ops={list(ops)!r}: each must be one of {OPS}")
     result: dict[str, Any] = {"n": num_processes, "workers": workers, "load_start": loadavg()}
     t0 = time.monotonic()
     group = Group(num_processes, workers, peer_timeout_s, inprocess=inprocess, service_heartbeat_s=service_heartbeat_s)
@@ -483,7 +496,7 @@ def measure(
         result["start_s"] = time.monotonic() - t0  # the service and the workers started, the clients made
         result["join_s"] = max(e for _, e in spans) - min(s for s, _ in spans)  # connect(): first call to last return
         pid = group.service.pid
-        for op in OPS:
+        for op in ops:
             group.all("op", op)  # a warm-up repetition (first keys, the barrier's first use)
             cpu0 = cpu_s(pid)
             latencies, groups, counts = [], [], []
@@ -585,6 +598,17 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         ("detect all s", lambda r: r["detection"]["all_s"] if "detection" in r else None),
     ]
 
+    def safe(get):
+        def value(r):
+            try:
+                return get(r)
+            except KeyError:  # an exchange not measured (--ops)
+                return None
+
+        return value
+
+    columns = [(name, safe(get)) for name, get in columns]
+
     def fmt(v) -> str:
         if v is None:
             return "-"
@@ -635,6 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="JAX's own heartbeat timeout of each client (s; default: the peer timeout + 15, as jddp sets it)",
     )
+    parser.add_argument("--ops", default=",".join(OPS), help="the exchanges to measure, comma-separated (or none)")
     parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     args = parser.parse_args(argv)
     counts = parse_counts(args.n)
@@ -649,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             detection=not args.no_detection,
             observers=args.observers,
             service_heartbeat_s=args.service_heartbeat,
+            ops=[op for op in args.ops.split(",") if op and op != "none"],
         )
         results.append(r)
         print(json.dumps(r), flush=True)
