@@ -11,7 +11,8 @@ process makes, through a proxy that counts every call and the bytes of its keys 
 
 * ``heartbeat``: one watchdog round (``jddp/runtime/watchdog.py``, ``Watchdog._watch``): ``key_value_set`` of
   its value under ``jddp/alive/<p>`` (the value built by ``watchdog._value`` and ``progress.publish``, as
-  there), ``key_value_dir_get`` of ``ALIVE_PREFIX``, parsed by ``watchdog._entries``. Every process at once;
+  there, of a process at step ``--at-step`` of a training loop: ``mid_training``), ``key_value_dir_get`` of
+  ``ALIVE_PREFIX``, parsed by ``watchdog._entries``. Every process at once;
 * ``barrier``: ``jddp.barrier``'s calls (``jddp/runtime/distributed.py``, ``barrier``): ``key_value_set`` of
   ``jddp/barrier/<name>/<count>/<p>``, ``wait_at_barrier``;
 * ``all_gather``: ``jddp.host_all_gather``'s calls (``jddp/runtime/host.py``, ``_exchange``) of a small dict:
@@ -30,12 +31,14 @@ The preemption and checkpoint agreements (``jddp/checkpoint/preemption.py``, ``c
 it is not simulated here (its cost is gloo's, which needs devices).
 
 Per round: requests and bytes (keys and values sent and received; not gRPC's framing, nor the clients' own
-heartbeats to the service, which the service's CPU time includes), the service's CPU time
-(``/proc/<pid>/stat``), and the latency: ``p50`` is the median a process sees from its first call to its last;
-for the barrier and the all-gather ``group`` is from the last process's arrival to the last one's return; for the
-heartbeat round, from the first process's start to the last one's end. Each figure is the median of ``--reps``
-repetitions. The load average is printed with each row. The last table gives each cost's slope of log(cost) on
-log(N) (least squares): 1 is linear, 2 quadratic. ``--ops`` picks the exchanges (``none``: detection alone).
+heartbeats to the service), the service's CPU time (``/proc/<pid>/stat``; in the table, less its rate with
+every client connected and idle, measured first for ``idle_s``: the clients' own heartbeats), and the
+latency: ``p50`` is the median a process sees from its first call to its last; for the barrier and the
+all-gather ``group`` is from the last process's arrival to the last one's return; for the heartbeat round, from
+the first process's start to the last one's end. Each latency is the median of ``--reps`` repetitions, the
+counts and the CPU their mean. The load average is printed with each row. The last table gives each cost's
+slope of log(cost) on log(N) (least squares): 1 is linear, 2 quadratic. ``--ops`` picks the exchanges
+(``none``: detection alone).
 
 What bounds the simulator: all N clients share this machine's cores (each client is about three C++ threads
 and one Python thread), so past a few hundred clients on 2 cores the latencies measure the clients' own CPU
@@ -67,6 +70,7 @@ from typing import Any
 from jddp import validate
 
 OPS = ("heartbeat", "barrier", "all_gather")
+AT_STEP = 10_000  # the simulated processes' progress (``mid_training``): the heartbeat values of a run at this step
 SMALL_VALUE = {"position": 1234, "batches": 56}  # the loader's agreement sends about this (jddp/data/loader.py)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -133,6 +137,19 @@ def add_counts(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for name, k in c["by_call"].items():
             total["by_call"][name] = total["by_call"].get(name, 0) + k
     return total
+
+
+def mid_training(steps: int) -> None:
+    """This OS process's progress (``jddp.runtime.progress``) as in a training loop after ``steps`` steps of
+    ``DataParallel.step`` and ``Checkpointer.maybe_save``, through progress's own calls: the heartbeat values then
+    carry a run's step, ticks, phase and its last collective calls' names (about 200 bytes, 25 before any)."""
+    from jddp.runtime import progress
+
+    for step in range(steps):
+        with progress.collective_call("DataParallel.step", eager=False), progress.phase("step"):
+            progress.heartbeat(step + 1)
+        with progress.collective_call("Checkpointer.maybe_save", eager=False):
+            pass
 
 
 class SimProcess:
@@ -231,9 +248,11 @@ class LightRound(threading.Thread):
 class Worker:
     """The simulated processes one OS process hosts, one thread each, run together on each command."""
 
-    def __init__(self, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int):
+    def __init__(self, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int, at_step: int = 0):
         from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]  # jax.distributed.initialize's client
 
+        if at_step:
+            mid_training(at_step)
         self.address, self.num_processes = address, num_processes
         self.clients = [
             _jax.get_distributed_runtime_client(
@@ -328,10 +347,10 @@ class Worker:
         return {}
 
 
-def serve(connection, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int) -> None:
+def serve(connection, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int, at_step: int) -> None:
     """A worker's loop: a command (a method of ``Worker`` and its arguments) in, its result out."""
     try:
-        worker = Worker(address, ids, num_processes, heartbeat_s)
+        worker = Worker(address, ids, num_processes, heartbeat_s, at_step)
     except Exception as error:
         connection.send({"error": repr(error)})
         return
@@ -389,7 +408,10 @@ class Group:
         peer_timeout_s: float,
         inprocess: bool = False,
         service_heartbeat_s: int | None = None,
+        at_step: int = AT_STEP,
     ):
+        """``inprocess``: the workers are threads of this process (for tests; pass ``at_step=0`` there, since they
+        would share this process's progress)."""
         from jddp.runtime import coordinator, distributed
 
         self.n = num_processes
@@ -416,7 +438,7 @@ class Group:
         context = multiprocessing.get_context("spawn")
         for ids in self.ids:
             mine, theirs = multiprocessing.Pipe()
-            target_args = (theirs, self.address, ids, num_processes, heartbeat_s)
+            target_args = (theirs, self.address, ids, num_processes, heartbeat_s, at_step)
             if inprocess:
                 proc: Any = threading.Thread(target=serve, args=target_args, daemon=True)
             else:
@@ -479,6 +501,8 @@ def measure(
     inprocess: bool = False,
     service_heartbeat_s: int | None = None,
     ops: Sequence[str] = OPS,
+    at_step: int = AT_STEP,
+    idle_s: float = 2.0,
 ) -> dict[str, Any]:
     """Every figure at one N (see the module docstring); the raw numbers as a dict."""
     validate.check_int("num_processes", num_processes, minimum=2)
@@ -490,15 +514,29 @@ def measure(
         raise ValueError(f"ops={list(ops)!r}: each must be one of {OPS}")
     result: dict[str, Any] = {"n": num_processes, "workers": workers, "load_start": loadavg()}
     t0 = time.monotonic()
-    group = Group(num_processes, workers, peer_timeout_s, inprocess=inprocess, service_heartbeat_s=service_heartbeat_s)
+    validate.check_int("at_step", at_step, minimum=0)
+    validate.check_number("idle_s", idle_s, unit="seconds")
+    group = Group(
+        num_processes,
+        workers,
+        peer_timeout_s,
+        inprocess=inprocess,
+        service_heartbeat_s=service_heartbeat_s,
+        at_step=at_step,
+    )
     try:
         spans = [t for a in group.all("connect") for t in a["times"]]
         result["start_s"] = time.monotonic() - t0  # the service and the workers started, the clients made
         result["join_s"] = max(e for _, e in spans) - min(s for s, _ in spans)  # connect(): first call to last return
         pid = group.service.pid
+        # The service's CPU with every client connected and idle (their own heartbeats to it): taken off below
+        cpu0, w0 = cpu_s(pid), time.monotonic()
+        time.sleep(idle_s)
+        idle = (cpu_s(pid) - cpu0) / (time.monotonic() - w0)
+        result["service_idle_cpu_per_s"] = idle
         for op in ops:
             group.all("op", op)  # a warm-up repetition (first keys, the barrier's first use)
-            cpu0 = cpu_s(pid)
+            cpu0, w0 = cpu_s(pid), time.monotonic()
             latencies, groups, counts = [], [], []
             for _ in range(reps):
                 answers = group.all("op", op)
@@ -512,6 +550,7 @@ def measure(
                 "p50_ms": 1e3 * statistics.median(latencies),
                 "group_ms": 1e3 * statistics.median(groups),
                 "service_cpu_ms": 1e3 * (cpu_s(pid) - cpu0) / reps,
+                "service_cpu_net_ms": 1e3 * (cpu_s(pid) - cpu0 - idle * (time.monotonic() - w0)) / reps,
                 "requests": total["requests"] / reps,
                 "bytes": (total["sent"] + total["received"]) / reps,
                 "values": total["values"] / reps,
@@ -582,16 +621,16 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         ("hb req", lambda r: r["heartbeat"]["requests"]),
         ("hb values", lambda r: r["heartbeat"]["values"]),
         ("hb bytes", lambda r: r["heartbeat"]["bytes"]),
-        ("hb cpu ms", lambda r: r["heartbeat"]["service_cpu_ms"]),
+        ("hb cpu ms", lambda r: r["heartbeat"]["service_cpu_net_ms"]),
         ("hb p50 ms", lambda r: r["heartbeat"]["p50_ms"]),
         ("hb group ms", lambda r: r["heartbeat"]["group_ms"]),
         ("bar req", lambda r: r["barrier"]["requests"]),
         ("bar bytes", lambda r: r["barrier"]["bytes"]),
-        ("bar cpu ms", lambda r: r["barrier"]["service_cpu_ms"]),
+        ("bar cpu ms", lambda r: r["barrier"]["service_cpu_net_ms"]),
         ("bar ms", lambda r: r["barrier"]["group_ms"]),
         ("ag req", lambda r: r["all_gather"]["requests"]),
         ("ag bytes", lambda r: r["all_gather"]["bytes"]),
-        ("ag cpu ms", lambda r: r["all_gather"]["service_cpu_ms"]),
+        ("ag cpu ms", lambda r: r["all_gather"]["service_cpu_net_ms"]),
         ("ag ms", lambda r: r["all_gather"]["group_ms"]),
         ("wd cpu/s", lambda r: r["detection"]["service_cpu_per_s"] if "detection" in r else None),
         ("wd rounds/s", lambda r: r["detection"]["rounds_per_s"] if "detection" in r else None),
@@ -660,6 +699,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JAX's own heartbeat timeout of each client (s; default: the peer timeout + 15, as jddp sets it)",
     )
     parser.add_argument("--ops", default=",".join(OPS), help="the exchanges to measure, comma-separated (or none)")
+    parser.add_argument(
+        "--at-step",
+        type=int,
+        default=AT_STEP,
+        help="the simulated processes' heartbeat values are those of a run at this step (0: before any step)",
+    )
     parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     args = parser.parse_args(argv)
     counts = parse_counts(args.n)
@@ -675,6 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             observers=args.observers,
             service_heartbeat_s=args.service_heartbeat,
             ops=[op for op in args.ops.split(",") if op and op != "none"],
+            at_step=args.at_step,
         )
         results.append(r)
         print(json.dumps(r), flush=True)

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from benchmarks import control_plane
-from jddp.runtime import progress
+from jddp.runtime import progress, watchdog
 
 
 @pytest.fixture(scope="module")
 def group():
-    # 4 simulated processes in 2 in-process workers, the service in a process of its own; peer timeout 1 s
-    g = control_plane.Group(4, 2, 1.0, inprocess=True)
+    # 4 simulated processes in 2 in-process workers, the service in a process of its own; peer timeout 1 s;
+    # this process's progress left as it is (at_step=0)
+    g = control_plane.Group(4, 2, 1.0, inprocess=True, at_step=0)
     try:
         g.all("connect")
         yield g
@@ -72,6 +73,17 @@ def test_detection_names_the_stopped_process(group):
     # round before the stop); the upper bound is the simulator's own deadline, not a timing claim
     assert found["all_s"] is not None and found["all_s"] >= 1.0 - interval
     assert found["rounds_per_s"] > 0
+
+
+def test_mid_training_values_are_a_runs(monkeypatch):
+    monkeypatch.setattr(progress, "PROGRESS", progress.Progress())  # this process's own is left alone
+    control_plane.mid_training(100)
+    value = watchdog._value(progress.publish(7, False))
+    state, _, calls = value.partition("|")
+    assert state.split(";")[:4] == ["7", "100", "100", "0"]  # counter, step, ticks, not waiting
+    assert state.split(";")[6] == "user"  # between steps: the script's own code
+    names = ["DataParallel.step", "Checkpointer.maybe_save"] * (progress.CALL_HISTORY // 2)
+    assert calls == "200:0:" + ",".join(names)
 
 
 def test_slope_against_numpy():
