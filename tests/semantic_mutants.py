@@ -503,7 +503,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "Orbax's clean-up of unfinished <step>.orbax-checkpoint-tmp-* directories turned off",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer.__init__",
+                "jddp.checkpoint.checkpointer:Checkpointer._start",
                 ("cleanup_tmp_directories=not read_only", "cleanup_tmp_directories=False"),
             ),
         ),

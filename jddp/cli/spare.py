@@ -38,7 +38,6 @@ import sys
 import threading
 
 from jddp.cli import output
-from jddp.runtime import standby
 
 __all__ = ["HEAVY_MODULES", "READY", "Spare", "become", "main", "prepare", "role"]
 
@@ -69,6 +68,8 @@ HEAVY_MODULES = (
     "jddp.loop",
 )
 READY = b"ready\n"  # a spare's one message to its launcher: imported, waiting for its role
+STANDING_BY = b"standby\n"  # a standby process's next (jddp.runtime.standby): ready, waiting for the failure
+ENV_STANDBY_FD = "JDDP_STANDBY_FD"  # a standby process's socket to its launcher
 HAND_TIMEOUT_S = 5.0  # how long the launcher waits to write a role into a spare's socket before it spawns instead
 
 
@@ -137,9 +138,7 @@ class Spare:
         """Whether a standby process has said it waits before its restore (``jddp.runtime.standby``); never blocks."""
         if self.standby and self.ready() and not self.said_standing_by:
             with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
-                self.said_standing_by = (
-                    self.channel.recv(len(standby.STANDING_BY), socket.MSG_DONTWAIT) == standby.STANDING_BY
-                )
+                self.said_standing_by = self.channel.recv(len(STANDING_BY), socket.MSG_DONTWAIT) == STANDING_BY
         return self.said_standing_by and self.popen.poll() is None
 
     def wake(self, message: bytes, out: output.Output) -> None:
@@ -228,7 +227,7 @@ def main(argv: list[str]) -> int:
         channel.close()
         return 0
     if given.get("standby"):  # the socket stays open: the script waits on it before its restore
-        given["env"][standby.ENV_FD] = str(channel.detach())
+        given["env"][ENV_STANDBY_FD] = str(channel.detach())
     else:
         channel.close()
     become(given)

@@ -34,17 +34,24 @@ import sys
 from collections.abc import Callable
 
 from jddp import envvars
+from jddp.cli.spare import ENV_STANDBY_FD, STANDING_BY
 
 __all__ = ["STANDING_BY", "active", "on_wake", "wait"]
 
-ENV_FD = "JDDP_STANDBY_FD"
-STANDING_BY = b"standby\n"  # a standby process's message to its launcher: ready, waiting for the failure
+ENV_FD = ENV_STANDBY_FD
 _on_wake: list[Callable[[], None]] = []
+_fd: list[int | None] = []  # JDDP_STANDBY_FD as read once (it is set only at a process's start); None once woken
+
+
+def _channel() -> int | None:
+    if not _fd:
+        _fd.append(envvars.get(ENV_FD))
+    return _fd[0]
 
 
 def active() -> bool:
     """Whether this process is a standby process that has not been woken yet."""
-    return ENV_FD in os.environ
+    return _channel() is not None
 
 
 def on_wake(callback: Callable[[], None]) -> None:
@@ -82,10 +89,11 @@ def wait() -> None:
     """In a standby process: says ``STANDING_BY`` to the launcher and blocks until it sends the failure's moment
     (its environment variables are set, and the script goes on), or ends the standby (the process exits 0 at once).
     Elsewhere, and after the first call, returns at once."""
-    if ENV_FD not in os.environ:
+    fd = _channel()
+    if fd is None:
         return
-    fd = envvars.get(ENV_FD)
-    del os.environ[ENV_FD]
+    _fd[0] = None
+    os.environ.pop(ENV_FD, None)  # not inherited by what the script starts
     channel = socket.socket(fileno=fd)
     try:
         channel.sendall(STANDING_BY)
