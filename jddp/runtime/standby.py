@@ -20,21 +20,21 @@ is held by the launcher and dropped.
 
 What runs before ``wait`` must not depend on when the failure came (it runs while the previous attempt still
 trains): building the model and reading configs do not; a script that writes files before its restore writes them
-early (``jddp.fit`` writes nothing before it). A script that never calls ``jddp.fit`` or ``restore_or_init``
-stands by nowhere: the launcher, seeing no ``STANDING_BY`` when the failure comes, ends the standby processes and
-starts the attempt as without them.
+early (``jddp.fit`` writes nothing before it). A script with a loop of its own and no ``restore_or_init`` stands by
+at its first ``DataParallel.step``, which waits too: a standby process never trains. One that stands by nowhere
+(it never reaches either) is ended when the failure comes, seeing no ``STANDING_BY``, and the attempt starts as
+without standby processes.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 from collections.abc import Callable
 
 from jddp import envvars
-from jddp.cli.spare import ENV_STANDBY_FD, STANDING_BY
+from jddp.cli.spare import ENV_STANDBY_FD, STANDING_BY, receive
 
 __all__ = ["STANDING_BY", "active", "on_wake", "wait"]
 
@@ -72,19 +72,6 @@ def on_wake(callback: Callable[[], None]) -> None:
         callback()
 
 
-def _read_line(channel: socket.socket) -> bytes | None:
-    data = b""
-    while not data.endswith(b"\n"):
-        try:
-            chunk = channel.recv(1 << 16)
-        except (ConnectionResetError, InterruptedError):
-            chunk = b""
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
 def wait() -> None:
     """In a standby process: says ``STANDING_BY`` to the launcher and blocks until it sends the failure's moment
     (its environment variables are set, and the script goes on), or ends the standby (the process exits 0 at once).
@@ -97,15 +84,15 @@ def wait() -> None:
     channel = socket.socket(fileno=fd)
     try:
         channel.sendall(STANDING_BY)
-        line = _read_line(channel)
+        message = receive(channel)
     except OSError:
-        line = None
+        message = None
     finally:
         channel.close()
-    if line is None:  # not needed: the attempt it stood by for ended without a failure, or a peer died
+    if message is None:  # not needed: the attempt it stood by for ended without a failure, or a peer died
         sys.stdout.flush()
         os._exit(0)  # no atexit hooks: the group's barrier and the checkpointer's close would wait for peers
-    os.environ.update(json.loads(line)["env"])
+    os.environ.update(message["env"])
     callbacks, _on_wake[:] = list(_on_wake), []
     for callback in callbacks:
         callback()
