@@ -29,6 +29,7 @@ BOTTOM = (
     "jddp.config",
     "jddp.lines",
     "jddp.envvars",
+    "jddp.handoff",
 )
 LAYERS = {
     **{name: "bottom" for name in BOTTOM},

@@ -38,6 +38,7 @@ import sys
 import threading
 
 from jddp.cli import output
+from jddp.handoff import ENV_STANDBY_FD, READY, STANDING_BY, receive
 
 __all__ = ["HEAVY_MODULES", "READY", "Spare", "become", "main", "prepare", "role"]
 
@@ -67,9 +68,6 @@ HEAVY_MODULES = (
     "jddp.goodput",
     "jddp.loop",
 )
-READY = b"ready\n"  # a spare's one message to its launcher: imported, waiting for its role
-STANDING_BY = b"standby\n"  # a standby process's next (jddp.runtime.standby): ready, waiting for the failure
-ENV_STANDBY_FD = "JDDP_STANDBY_FD"  # a standby process's socket to its launcher
 HAND_TIMEOUT_S = 5.0  # how long the launcher waits to write a role into a spare's socket before it spawns instead
 
 
@@ -177,24 +175,6 @@ def prepare(modules: tuple[str, ...] = HEAVY_MODULES) -> list[str]:
             continue
         imported.append(name)
     return imported
-
-
-def receive(channel: socket.socket) -> dict | None:
-    """Blocks until the launcher hands the role (one line); None when the launcher closed the socket without one.
-
-    Read to its end of line, never to the socket's end: a launcher that closes its end with the spare's ``READY``
-    unread resets the connection (Linux, ``AF_UNIX``), and a read past the role would see that reset.
-    """
-    data = b""
-    while not data.endswith(b"\n"):
-        try:
-            chunk = channel.recv(1 << 16)
-        except ConnectionResetError:
-            chunk = b""
-        if not chunk:
-            return None  # the launcher is gone, or ended this spare's wait
-        data += chunk
-    return json.loads(data)
 
 
 def become(given: dict) -> None:

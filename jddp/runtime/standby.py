@@ -34,7 +34,7 @@ import sys
 from collections.abc import Callable
 
 from jddp import envvars
-from jddp.cli.spare import ENV_STANDBY_FD, STANDING_BY, receive
+from jddp.handoff import ENV_STANDBY_FD, STANDING_BY, receive
 
 __all__ = ["STANDING_BY", "active", "on_wake", "wait"]
 
