@@ -7,19 +7,33 @@ Each run trains one example under ``jddp launch -n 2`` with a checkpoint directo
 default: every step unless their measured cost, above 1% of the step time, asks for fewer). The time per step is
 process 0's goodput ledger's: from the end of the first step (compilation) to its last step, over the steps between,
 everything included (data, logging, saves, evaluations: the same in both modes). Prints per model the median
-per-step time of each mode, their ratio, the snapshots taken and their interval at the end, and the load average.
+per-step time of each mode, their ratio, the snapshots taken and their interval at the end, the median of the
+pairs' ratios (run i of each mode is a pair, run side by side) with a 95% bootstrap interval, and the load average.
+
+    python -m benchmarks.snapshot_cost --within [--repeats 3] [--blocks 20] [--block 200] [--snapshot-every 0]
+
+The runs of a pair differ by more than the cost on a shared machine (whole runs of the MLP spread by 10%). With
+``--within`` the comparison is made inside each run instead, block by block (``worker``): the MLP under
+``jddp launch -n 2`` with one ``Checkpointer`` (snapshots on, a disk save every ``--save-every`` steps), blocks of
+``--block`` steps alternating between snapshots taken and not, each pair of blocks a few seconds apart. Prints per
+run the medians of each mode, the snapshots taken, their interval at the end and their own measure of their cost,
+then the median on/off ratio over every block pair with its 95% bootstrap interval.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -61,12 +75,128 @@ def one_run(model: str, mode: str, args) -> dict | None:
         }
 
 
+# ----------------------------------------------------------------- --within: on and off in one run, block by block
+
+
+def worker(args) -> None:
+    """Under ``jddp launch -n 2``: the MNIST-1D MLP (40-256-256-10, AdamW, global batch 128, batches staged on the
+    devices: no loader, so the step is as short as it gets and the snapshots' share as large), ``DataParallel`` and
+    a ``Checkpointer`` with snapshots on, ``maybe_save`` every step; blocks of ``--block`` steps alternate (ABBA)
+    between snapshots on and off. Off, the snapshot's ``take`` does nothing (the interval is still proposed and
+    agreed, the disk saves are the same); an on block ends once its last snapshot is written."""
+    import jax
+    import optax
+
+    import jddp
+    from jddp.benchmark import models
+
+    jddp.initialize(verbose=False)
+    mesh = jddp.data_mesh()
+
+    def loss_fn(params, model_state, batch, rng):
+        return models.mean_loss("mlp", params, batch), (model_state, {})
+
+    dp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=mesh)
+    state = dp.init(models.init_params("mlp"), rng=0)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    rows = 128 // jax.process_count()
+    mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+    batches = [
+        {k: jax.make_array_from_process_local_data(sharding, v[mine], v.shape) for k, v in b.items()}
+        for b in models.synthetic_batches(8, 128)
+    ]
+    every = args.snapshot_every or None
+    ckpt = jddp.Checkpointer(args.dir, save_every=args.save_every, snapshots=True, snapshot_every=every)
+    snaps = ckpt._snapshots  # the one private handle: the same Checkpointer, its snapshots taken or not
+    assert snaps is not None
+    step = 0
+
+    def block(mode: str) -> float:
+        nonlocal state, step
+        if mode == "off":
+            snaps.take = lambda *a, **k: None
+        start = time.perf_counter()
+        for _ in range(args.block):
+            state, _ = dp.step(state, batches[step % len(batches)])
+            ckpt.maybe_save(state)
+            step += 1
+        jax.block_until_ready(state)
+        snaps.wait()
+        seconds = time.perf_counter() - start
+        vars(snaps).pop("take", None)
+        return seconds / args.block
+
+    for _ in range(2):  # warm-up: compilation, the first snapshot's copy program, the interval settling
+        block("on")
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(args.blocks):
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            times[mode].append(block(mode) * 1e3)
+    ckpt.close()
+    if jax.process_index() == 0:
+        # the snapshots' own measure of their cost (what sizes the interval), for comparison with the blocks'
+        summary = {"snapshots": snaps.taken, "every": ckpt.snapshot_every, "cost_ms": (snaps._cost_s or 0) * 1e3}
+        print("RESULT " + json.dumps({"times_ms": times, **summary}), flush=True)
+
+
+def within(args) -> None:
+    """Runs ``worker`` under ``jddp launch -n 2`` ``--repeats`` times and prints on/off per block pair."""
+    ratios, on_ms, off_ms = [], [], []
+    print(f"snapshot cost within runs: {args.repeats} runs x {args.blocks} block pairs x {args.block} steps, "
+          f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    for r in range(args.repeats):
+        with tempfile.TemporaryDirectory() as run_dir:
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "JDDP_SNAPSHOT_DIR": str(Path(run_dir) / "memory")}
+            env.pop("XLA_FLAGS", None)
+            argv = [
+                sys.executable, "-m", "jddp.launch", "-n", "2", __file__, "--worker", "--dir", f"{run_dir}/ckpt",
+                "--blocks", str(args.blocks), "--block", str(args.block), "--save-every", str(args.save_every),
+                "--snapshot-every", str(args.snapshot_every),
+            ]  # fmt: skip
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+        found = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
+        if done.returncode != 0 or not found:
+            print(f"  run {r}: failed (exit {done.returncode})\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+            continue
+        result = json.loads(found[0])
+        on, off = result["times_ms"]["on"], result["times_ms"]["off"]
+        ratios += [a / b for a, b in zip(on, off, strict=True)]
+        on_ms += on
+        off_ms += off
+        print(
+            f"  run {r}: on {statistics.median(on):.3f} ms/step, off {statistics.median(off):.3f}, "
+            f"{result['snapshots']} snapshots, every {result['every']} step(s) at the end, each "
+            f"{result['cost_ms']:.2f} ms by its own measure",
+            flush=True,
+        )
+    if not ratios:
+        sys.exit(1)
+    low, high = bootstrap_median(ratios)
+    print(
+        f"medians over {len(ratios)} block pairs (load at the end {os.getloadavg()[0]:.2f}): on "
+        f"{statistics.median(on_ms):.3f} ms/step, off {statistics.median(off_ms):.3f} ms/step; on/off per pair: "
+        f"median {statistics.median(ratios):.4f}, 95% bootstrap interval {low:.4f} to {high:.4f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="mlp,lm")
     parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--within", action="store_true", help="on and off in blocks inside each run (the MLP only)")
+    parser.add_argument("--blocks", type=int, default=20, help="--within: block pairs per run")
+    parser.add_argument("--block", type=int, default=200, help="--within: steps per block")
+    parser.add_argument("--snapshot-every", type=int, default=0, help="--within: fixed interval (0: by their cost)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.within:
+        within(args)
+        return
     models = args.models.split(",")
     print(f"snapshot cost: {args.repeats} runs per mode and model, load {os.getloadavg()[0]:.2f}", flush=True)
     rows: dict[tuple[str, str], list[dict]] = {}
@@ -85,12 +215,22 @@ def main() -> None:
         m_off = statistics.median(r["step_ms"] for r in off)
         m_on = statistics.median(r["step_ms"] for r in on)
         ratios = [b["step_ms"] / a["step_ms"] for a, b in zip(off, on, strict=False)]
+        low, high = bootstrap_median(ratios)
         print(
             f"  {model}: off {m_off:.2f} ms/step, on {m_on:.2f} ms/step, on/off {m_on / m_off:.3f} (pairs: "
             + ", ".join(f"{x:.3f}" for x in ratios)
             + f"); snapshots per run {statistics.median(r['snapshots'] for r in on):.0f}, interval at the end "
-            + f"{statistics.median(r['every'] for r in on):.0f}"
+            + f"{statistics.median(r['every'] for r in on):.0f}; median of the {len(ratios)} pairs' ratios "
+            + f"{statistics.median(ratios):.3f}, 95% bootstrap interval {low:.3f} to {high:.3f}"
         )
+
+
+def bootstrap_median(values: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the median of ``values`` resampled with replacement (``draws`` times):
+    how well the runs pin the median down on a machine whose pairs of runs differ by more than the cost."""
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(np.asarray(values), size=(draws, len(values))), axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
 if __name__ == "__main__":
