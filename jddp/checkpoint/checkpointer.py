@@ -469,6 +469,8 @@ class Checkpointer:
         saved = self.save_every is not None and step % self.save_every == 0
         if saved:
             self.save(state, loader, extra=extra)
+            if snaps is not None:
+                snaps.disturbed(step)  # the save's time is not the snapshots' cost
         if snaps is not None and step % self._preemption.snapshot_every == 0:
             # An `extra` with get_state_later (jddp.fit's running means) is read by the writer: its get_state would
             # wait for this step's metrics, and the loop would no longer run ahead of the devices.
