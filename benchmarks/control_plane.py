@@ -11,8 +11,12 @@ process makes, through a proxy that counts every call and the bytes of its keys 
 
 * ``heartbeat``: one watchdog round (``jddp/runtime/watchdog.py``, ``Watchdog._watch``): ``key_value_set`` of
   its value under ``jddp/alive/<p>`` (the value built by ``watchdog._value`` and ``progress.publish``, as
-  there, of a process at step ``--at-step`` of a training loop: ``mid_training``), ``key_value_dir_get`` of
-  ``ALIVE_PREFIX``, parsed by ``watchdog._entries``. Every process at once;
+  there, of a process at step ``--at-step`` of a training loop: ``mid_training``); then the aggregator (process
+  0) reads every heartbeat (``key_value_dir_get`` of ``ALIVE_PREFIX``, parsed by ``watchdog._entries``) and sets
+  its summary (``watchdog.Summary``), and every other process reads the summary (``key_value_try_get``). Every
+  process at once;
+* ``heartbeat_all_read``: the round before the aggregator (jddp until 26 Nov 2026): every process sets its value
+  and reads every heartbeat, N^2 values a round; kept to measure before and after side by side;
 * ``barrier``: ``jddp.barrier``'s calls (``jddp/runtime/distributed.py``, ``barrier``): ``key_value_set`` of
   ``jddp/barrier/<name>/<count>/<p>``, ``wait_at_barrier``;
 * ``all_gather``: ``jddp.host_all_gather``'s calls (``jddp/runtime/host.py``, ``_exchange``) of a small dict:
@@ -69,7 +73,7 @@ from typing import Any
 
 from jddp import validate
 
-OPS = ("heartbeat", "barrier", "all_gather")
+OPS = ("heartbeat", "heartbeat_all_read", "barrier", "all_gather")
 AT_STEP = 10_000  # the simulated processes' progress (``mid_training``): the heartbeat values of a run at this step
 SMALL_VALUE = {"position": 1234, "batches": 56}  # the loader's agreement sends about this (jddp/data/loader.py)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -99,7 +103,7 @@ class Counted:
         self.requests: dict[str, int] = {}
         self.sent = 0
         self.received = 0
-        self.values_received = 0  # key-value pairs a directory read returned
+        self.values_received = 0  # key-value pairs the reads returned
 
     def __getattr__(self, name: str):
         fn = getattr(self.client, name)
@@ -111,6 +115,8 @@ class Counted:
             self.received += size(result)
             if name.startswith("key_value_dir_get"):
                 self.values_received += len(result)
+            elif name.startswith(("key_value_try_get", "blocking_key_value_get")):
+                self.values_received += 1
             return result
 
         call.__name__ = name
@@ -161,11 +167,30 @@ class SimProcess:
         self.counter = 0
         self.barrier_count = 0
         self.host_calls = 0
-        self.last_entries: dict[int, str] = {}  # the heartbeat values of the last round, by process
+        self.last_entries: dict[int, str] = {}  # the heartbeat values of the last round, by process (aggregator)
+        self.last_summary: Any = None  # the aggregator's summary as the last round read it (every other process)
         self.last_gathered: list[Any] = []  # the values of the last all-gather, in process order
 
     def heartbeat(self) -> None:
-        """One watchdog round's calls (jddp/runtime/watchdog.py, Watchdog._watch: the value, the set, the read)."""
+        """One watchdog round's calls (jddp/runtime/watchdog.py, Watchdog._watch): the value and its set; then the
+        aggregator (process 0) reads every heartbeat and publishes its summary (``Watchdog._publish_summary``), and
+        every other process reads that summary."""
+        from jddp.runtime import progress, watchdog
+
+        self.counter += 1
+        value = watchdog._value(progress.publish(self.counter, False))
+        self.client.key_value_set(f"{watchdog.ALIVE_PREFIX}{self.process_id}", value, allow_overwrite=True)
+        if self.process_id == watchdog.AGGREGATOR:
+            values, _, _ = watchdog._entries(self.client.key_value_dir_get(watchdog.ALIVE_PREFIX))
+            self.last_entries = values
+            summary = watchdog.Summary(self.counter, {}, [], None, False)
+            self.client.key_value_set(watchdog.SUMMARY_KEY, summary.text(), allow_overwrite=True)
+        else:
+            self.last_summary = watchdog._parse_summary(watchdog._try_get(self.client, watchdog.SUMMARY_KEY))
+
+    def heartbeat_all_read(self) -> None:
+        """The watchdog round before its aggregator (jddp before 26 Nov 2026): every process set its value and read
+        every other's (``key_value_dir_get`` of ``ALIVE_PREFIX``), N^2 values at the service a round."""
         from jddp.runtime import progress, watchdog
 
         self.counter += 1
@@ -219,9 +244,10 @@ def make_watchdog_class():
 
 
 class LightRound(threading.Thread):
-    """A simulated process that makes the watchdog's calls at its pace (jddp/runtime/watchdog.py,
-    ``Watchdog._watch``: ``key_value_set`` of its value, ``key_value_dir_get`` of ``ALIVE_PREFIX``) and judges
-    nothing: the same load at the service, without the N values parsed in Python (``--observers``)."""
+    """A simulated process other than the aggregator that makes the watchdog's calls at its pace
+    (jddp/runtime/watchdog.py, ``Watchdog._watch``: ``key_value_set`` of its value, ``key_value_try_get`` of the
+    aggregator's summary) and judges nothing: the same load at the service, less of the simulator's own CPU
+    (``--observers``)."""
 
     def __init__(self, sim: SimProcess, peer_timeout_s: float):
         from jddp.runtime import watchdog
@@ -242,7 +268,7 @@ class LightRound(threading.Thread):
             with contextlib.suppress(Exception):
                 value = watchdog._value(progress.publish(self.counter, False))
                 self.client.key_value_set(self.key, value, allow_overwrite=True)
-                self.client.key_value_dir_get(watchdog.ALIVE_PREFIX)
+                watchdog._try_get(self.client, watchdog.SUMMARY_KEY)
 
 
 class Worker:
@@ -543,7 +569,7 @@ def measure(
                 times = [t for a in answers for t in a["times"]]
                 counts.append(add_counts([a["counts"] for a in answers]))
                 latencies.append(statistics.median(e - s for s, e in times))
-                first = min(s for s, _ in times) if op == "heartbeat" else max(s for s, _ in times)
+                first = min(s for s, _ in times) if op.startswith("heartbeat") else max(s for s, _ in times)
                 groups.append(max(e for _, e in times) - first)
             total = add_counts(counts)
             result[op] = {
@@ -567,14 +593,19 @@ def measure(
     return result
 
 
-def detect(group: Group, peer_timeout_s: float, warmup_s: float, observers: int | None = None) -> dict[str, Any]:
-    """jddp's watchdogs at their own pace: the steady state for ``warmup_s``, then the last process stops.
-    With ``observers``, only the processes below it run jddp's Watchdog (and are timed); the others make its calls
-    (``LightRound``)."""
+def detect(
+    group: Group, peer_timeout_s: float, warmup_s: float, observers: int | None = None, victim: int | None = None
+) -> dict[str, Any]:
+    """jddp's watchdogs at their own pace: the steady state for ``warmup_s``, then ``victim`` (the last process by
+    default; 0 is the aggregator) stops. With ``observers``, only the processes below it run jddp's Watchdog (and
+    are timed); the others make its calls (``LightRound``)."""
     if observers is not None:
         validate.check_int("observers", observers, minimum=1)
         if observers >= group.n:
             raise ValueError(f"detect: observers={observers} must be below N={group.n} (the last one is stopped)")
+    victim = group.n - 1 if victim is None else victim
+    if not 0 <= victim < group.n:
+        raise ValueError(f"detect: victim={victim} must be a process of the group (0 to {group.n - 1})")
     pid = group.service.pid
     group.all("start_watchdogs", peer_timeout_s, observers)
     time.sleep(min(1.0, warmup_s))  # the first rounds
@@ -583,7 +614,6 @@ def detect(group: Group, peer_timeout_s: float, warmup_s: float, observers: int 
     time.sleep(warmup_s)
     counts = add_counts([a["counts"] for a in group.all("counts")])
     elapsed, cpu = time.monotonic() - w0, cpu_s(pid) - cpu0
-    victim = group.n - 1
     host = next(k for k, ids in enumerate(group.ids) if victim in ids)
     stopped_at = group.one(host, "stop_one", victim)["stopped_at"]
     deadline = time.monotonic() + 4 * peer_timeout_s + 10
@@ -599,7 +629,10 @@ def detect(group: Group, peer_timeout_s: float, warmup_s: float, observers: int 
     interval = max(0.05, min(peer_timeout_s / 10, 1.0))  # Watchdog.interval
     return {
         "steady_s": elapsed,
-        "rounds_per_s": counts["by_call"].get("key_value_dir_get", 0) / elapsed / group.n,
+        # one read a round each: the aggregator's of every heartbeat, the others' of its summary
+        "rounds_per_s": (counts["by_call"].get("key_value_dir_get", 0) + counts["by_call"].get("key_value_try_get", 0))
+        / elapsed
+        / group.n,
         "interval_s": interval,
         "requests_per_s": counts["requests"] / elapsed,
         "bytes_per_s": (counts["sent"] + counts["received"]) / elapsed,
@@ -624,6 +657,8 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         ("hb cpu ms", lambda r: r["heartbeat"]["service_cpu_net_ms"]),
         ("hb p50 ms", lambda r: r["heartbeat"]["p50_ms"]),
         ("hb group ms", lambda r: r["heartbeat"]["group_ms"]),
+        ("hb-all bytes", lambda r: r["heartbeat_all_read"]["bytes"]),
+        ("hb-all cpu ms", lambda r: r["heartbeat_all_read"]["service_cpu_net_ms"]),
         ("bar req", lambda r: r["barrier"]["requests"]),
         ("bar bytes", lambda r: r["barrier"]["bytes"]),
         ("bar cpu ms", lambda r: r["barrier"]["service_cpu_net_ms"]),

@@ -7,6 +7,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import control_plane
 from jddp.runtime import progress, watchdog
@@ -28,18 +30,28 @@ def test_counts_are_what_the_service_holds(group, monkeypatch):
     # heartbeat values of one length whatever the round (the real ones carry a phase age that may gain a digit)
     monkeypatch.setattr(progress, "publish", lambda counter, waiting: f"{counter % 10};0;0;0;1.000;0;step;0.5")
     n = group.n
-    group.all("op", "heartbeat")  # every key exists: each read below finds all N
+    group.all("op", "heartbeat")  # every key exists: each read below finds all N, and the summary
     answers = group.all("op", "heartbeat")
     counts = control_plane.add_counts([a["counts"] for a in answers])
-    assert counts["by_call"] == {"key_value_set": n, "key_value_dir_get": n}
+    # every process sets its heartbeat; the aggregator reads all N and sets its summary, the others read that
+    assert counts["by_call"] == {"key_value_set": n + 1, "key_value_dir_get": 1, "key_value_try_get": n - 1}
     # The reference: the heartbeat keys and values as the service holds them, read by an uncounted client.
     stored = [(k, v.decode()) for k, v in group.one(0, "read", "jddp/alive/")["entries"]]
     assert sorted(int(k.rsplit("/", 1)[1]) for k, _ in stored) == list(range(n))
     one_pair = {k: len(k.encode()) + len(v.encode()) for k, v in stored}
-    # each process sends its own key and value (and the flag), receives every pair: N^2 values per round
+    summary = len(watchdog.Summary(1, {}, [], None, False).text())  # a one-digit round, as here
+    key = len(watchdog.SUMMARY_KEY)
     prefix = len(b"jddp/alive/")
-    expected = sum(one_pair.values()) + 8 * n + n * prefix + n * sum(one_pair.values())
+    # sent: every pair and its flag, the aggregator's prefix and summary (and flag), the others' summary key;
+    # received: every pair once (the aggregator's read), the summary by each of the others: O(N) a round
+    sent = sum(one_pair.values()) + 8 * n + prefix + key + summary + 8 + (n - 1) * key
+    assert counts["values"] == n + n - 1
+    assert counts["sent"] + counts["received"] == sent + sum(one_pair.values()) + (n - 1) * summary
+    answers = group.all("op", "heartbeat_all_read")  # the round before the aggregator: N^2 values
+    counts = control_plane.add_counts([a["counts"] for a in answers])
+    assert counts["by_call"] == {"key_value_set": n, "key_value_dir_get": n}
     assert counts["values"] == n * n
+    expected = sum(one_pair.values()) + 8 * n + n * prefix + n * sum(one_pair.values())
     assert counts["sent"] + counts["received"] == expected
     answers = group.all("op", "barrier")
     assert control_plane.add_counts([a["counts"] for a in answers])["by_call"] == {
@@ -64,15 +76,50 @@ def test_detection_names_the_stopped_process(group):
     found = control_plane.detect(group, 1.0, 0.5, observers=2)
     assert found["survivors"] == 2
     assert found["knew"] == 2
-    assert found["named"] >= 1
-    # each names the stopped process (3) alone silent (2 heartbeats on), or an observer that named it first and
-    # ended (as jddp's do)
-    assert all(re.match(r"lost process\(es\) \[3\]|process [01] lost a peer", r) for r in found["reasons"])
+    # each names the stopped process (3) alone: the aggregator found it silent, the other read it in its summary
+    assert found["named"] == 2, found["reasons"]
+    assert all(re.match(r"lost process\(es\) \[3\]", r) for r in found["reasons"])
     interval = found["interval_s"]
     # jddp's rule: silent for more than the peer timeout, seen at a round (its last value was read at most a
     # round before the stop); the upper bound is the simulator's own deadline, not a timing claim
     assert found["all_s"] is not None and found["all_s"] >= 1.0 - interval
     assert found["rounds_per_s"] > 0
+
+
+def test_detection_names_the_aggregator_when_it_stops():
+    # process 0 reads every heartbeat and publishes the summary the others act on: when it stops, its summary
+    # stops moving, and every other watchdog names it as it would any silent peer (a group of its own: the one
+    # above keeps the marks of its stopped process)
+    g = control_plane.Group(4, 2, 1.0, inprocess=True, at_step=0)
+    try:
+        g.all("connect")
+        found = control_plane.detect(g, 1.0, 0.5, victim=0)
+    finally:
+        g.close()
+    assert found["survivors"] == 3 and found["knew"] == 3
+    assert found["named"] == 3, found["reasons"]
+    assert found["all_s"] is not None and found["all_s"] >= 1.0 - found["interval_s"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    round_=st.integers(0, 2**40),
+    states=st.dictionaries(st.integers(0, 4095), st.sampled_from(watchdog.ENDED), max_size=8),
+    silent=st.lists(st.integers(0, 4095), max_size=8),
+    groups=st.one_of(
+        st.none(),
+        st.dictionaries(
+            st.text(min_size=1, max_size=30), st.lists(st.integers(0, 4095), min_size=1, max_size=4), min_size=2
+        ),
+    ),
+    seq=st.integers(1, 10**6),
+    stalled=st.booleans(),
+)
+def test_a_summary_reads_back_as_it_was_written(round_, states, silent, groups, seq, stalled):
+    mismatch = None if groups is None else progress.Mismatch(seq, {k: tuple(v) for k, v in groups.items()}, min(groups))
+    summary = watchdog.Summary(round_, states, silent, mismatch, stalled)
+    assert watchdog._parse_summary(summary.text()) == summary
+    assert watchdog._parse_summary(None) is None
 
 
 def test_mid_training_values_are_a_runs(monkeypatch):

@@ -4,9 +4,14 @@ JAX's own behaviour when a peer dies is a hang in the next collective until the
 coordination service's heartbeat timeout (100 s by default), then a C++ abort
 with no Python cleanup. jddp adds a watchdog thread to every process of a group.
 Every round (``peer_timeout_s / 10`` seconds, at most ``MAX_ROUND_S``) it writes a counter under
-``jddp/alive/<process>`` in the coordination service's key-value store and reads
-everyone's. It ends the process with ``EXIT_PEER_LOST`` (69) and one line on
-stderr naming the lost process, when:
+``jddp/alive/<process>`` in the coordination service's key-value store. One watchdog, the aggregator's
+(process 0's), reads every counter, judges the group and publishes what it found as one small value
+(``Summary`` under ``SUMMARY_KEY``: who ended and how, who went silent, a call mismatch, a stall); every
+other watchdog reads only that value. A round thus costs the service O(N) values, not N^2 (at 1024
+processes 235 MB a round before, ``benchmarks/control_plane.py``); a process learns what the aggregator
+found a round later at most, and the aggregator's own silence (its summary not moving for
+``peer_timeout_s``) is judged by every other process as a peer's would be. It ends the process with
+``EXIT_PEER_LOST`` (69) and one line on stderr naming the lost process, when:
 
 * a peer's counter has not moved for ``peer_timeout_s`` (30 s by default): the
   peer died, was killed, or is frozen;
@@ -72,7 +77,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import faulthandler
+import json
 import os
 import queue
 import shutil
@@ -99,7 +106,64 @@ ENDED = (DONE, FAILED, LOST, STALLED)
 STALL_KEY = f"{ALIVE_PREFIX}stall"  # the verdict: JSON, set by the first watchdog that sees the group stalled
 WHERE_PREFIX = "jddp/where/"  # after a stall: each process's main-thread frame
 
+# One watchdog, the aggregator's, reads every heartbeat each round and publishes what it found under SUMMARY_KEY;
+# every other watchdog writes its own heartbeat and reads only that summary: O(N) values at the service a round,
+# where every watchdog reading every heartbeat was O(N^2) (235 MB a round at 1024 processes).
+AGGREGATOR = 0
+SUMMARY_KEY = "jddp/summary"  # not under ALIVE_PREFIX: the aggregator's read of the heartbeats leaves it out
+
 _watchdog: Watchdog | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """The aggregator's round as the other watchdogs read it: its round counter (moving while it lives), the
+    processes that ended and how, the ones it found silent for the peer timeout, a call mismatch it judged, and
+    whether it judged the group stalled (the verdict itself is under ``STALL_KEY``). Small whatever N while the
+    group is well: the lists name only the processes that ended or went silent."""
+
+    round: int
+    states: dict[int, str]
+    silent: list[int]
+    mismatch: progress.Mismatch | None
+    stalled: bool
+
+    def text(self) -> str:
+        found = self.mismatch
+        return json.dumps(
+            {
+                "round": self.round,
+                "states": {str(p): v for p, v in sorted(self.states.items())},
+                "silent": self.silent,
+                "mismatch": None if found is None else {"seq": found.seq, "groups": found.groups, "odd": found.odd},
+                "stalled": self.stalled,
+            },
+            separators=(",", ":"),
+        )
+
+
+def _parse_summary(text: str | None) -> Summary | None:
+    """The summary ``Summary.text`` wrote, or None (not published yet)."""
+    if text is None:
+        return None
+    d = json.loads(text)
+    m = d["mismatch"]
+    found = None if m is None else progress.Mismatch(m["seq"], {k: tuple(v) for k, v in m["groups"].items()}, m["odd"])
+    return Summary(d["round"], {int(p): v for p, v in d["states"].items()}, list(d["silent"]), found, d["stalled"])
+
+
+def _try_get(client, key: str) -> str | None:
+    """The value of ``key`` in the coordination service's store, or None when it has none."""
+    try:
+        return client.key_value_try_get(key)
+    except Exception as error:
+        if "NOT_FOUND" in str(error):
+            return None
+        raise
+
+
+def _silent_reason(silent: list[int], peer_timeout_s: float) -> str:
+    return f"lost process(es) {silent}: no sign of life for more than {peer_timeout_s:g} s (killed, crashed or frozen)"
 
 
 def _entries(entries) -> tuple[dict[int, str], str | None, dict[int, progress.Calls]]:
@@ -178,6 +242,9 @@ class Watchdog(threading.Thread):
         self.key = f"{ALIVE_PREFIX}{process_id}"
         self.waiting_since: float | None = None  # set while the main thread waits in a jddp call (``waiting``)
         self.peers_gone: str | None = None  # after DONE: why waiting for the peers is pointless
+        self._last_values: dict[int, str] = {}  # the aggregator's last read of the heartbeats
+        self._last_summary: Summary | None = None  # and the last summary it published
+        self.summary_change = time.monotonic()  # when the aggregator's summary last moved (the others' watchdogs)
         # Key-value calls run in a daemon thread of their own (not an executor: Python's shutdown joins those
         # and refuses new work before the atexit hook below runs).
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -228,6 +295,9 @@ class Watchdog(threading.Thread):
         everyone = range(self.num_processes)
         last_ticks: dict[int, int | None] = dict.fromkeys(everyone)
         last_tick_seen = dict.fromkeys(everyone, time.monotonic())
+        aggregating = self.process_id == AGGREGATOR
+        summary_round: int | None = None  # the aggregator's round last read (another process's watchdog)
+        summary_change = self.summary_change = time.monotonic()
         _arm_stack_dump(self.peer_timeout_s)  # from the start: a script may take the GIL before the first round
         while not self.stopped.wait(self.interval):
             # Re-armed every round: if this thread cannot run for the peer timeout (C code holding the GIL, the
@@ -240,7 +310,10 @@ class Watchdog(threading.Thread):
             try:
                 value = _value(self.state or progress.publish(self.counter, self.waiting_since is not None))
                 self.call(self.client.key_value_set, self.key, value, allow_overwrite=True)
-                entries = self.call(self.client.key_value_dir_get, ALIVE_PREFIX)
+                if aggregating:
+                    entries = self.call(self.client.key_value_dir_get, ALIVE_PREFIX)
+                else:
+                    summary = _parse_summary(self.call(_try_get, self.client, SUMMARY_KEY))
             except Exception as error:
                 if (
                     self.stopped.is_set() or jax_internals.distributed_client() is None
@@ -255,9 +328,20 @@ class Watchdog(threading.Thread):
             now = time.monotonic()
             starved = now - last_round > self.peer_timeout_s / 2
             last_round = now
+            if not aggregating:
+                # Every other watchdog acts on the aggregator's summary: one small value a round, whatever N.
+                if summary is not None and (summary.round != summary_round or starved):
+                    summary_round, summary_change = summary.round, now
+                elif starved:
+                    summary_change = now
+                self.summary_change = summary_change
+                if self._follow(summary, now - summary_change, peers):
+                    return
+                continue
             values, verdict, calls = _entries(entries)
             calls[self.process_id] = progress.Calls.parse(progress.calls_text())  # type: ignore[assignment]
             if verdict is not None and self.state is None:
+                self._publish_summary(values, [], None, stalled=True)
                 self._stalled(verdict, values)
                 return
             reason = None
@@ -271,34 +355,18 @@ class Watchdog(threading.Thread):
                     last_value[p], last_change[p] = value, now
             silent = [p for p in peers if now - last_change[p] > self.peer_timeout_s]
             if silent:
-                reason = (
-                    f"lost process(es) {silent}: no sign of life for more than {self.peer_timeout_s:g} s "
-                    "(killed, crashed or frozen)"
-                )
+                reason = _silent_reason(silent, self.peer_timeout_s)
             found = progress.mismatch({p: c for p, c in calls.items() if values.get(p) != DONE})
             if (
                 found is not None
                 and self.state is None
                 and (reason is not None or self._stuck(found, values, calls, now))
             ):
+                self._publish_summary(values, silent, found)
                 self._mismatched(found, reason)
                 return
-            if reason is not None and self.state is None:
-                reason += "; " + self._calls_clause(calls, values)
-            ended = [p for p in peers if values.get(p) == DONE]
-            since = self.waiting_since
-            shutdown = False
-            if reason is None and ended and since is not None and now - since > self.peer_timeout_s:
-                reason = (
-                    f"waited {now - since:.0f} s for process(es) {ended}, which ended early (returned from the "
-                    "script or called sys.exit; the exit code is in its output and the launcher's summary) while "
-                    "this one still needed them"
-                )
-                shutdown = True  # nobody is dead: leave the group cleanly, so that the DONE ones exit with their code
-            if reason is not None:
-                self._end(reason, shutdown=shutdown, silent=silent)
-                return
-            if self.state is None and progress.PROGRESS.settings.enabled:
+            verdict = None
+            if reason is None and self.state is None and progress.PROGRESS.settings.enabled:
                 seen = {p: progress.Seen.parse(values.get(p)) for p in everyone}
                 for p, s in seen.items():
                     if s is not None and (s.ticks != last_ticks[p] or starved):
@@ -307,8 +375,126 @@ class Watchdog(threading.Thread):
                 if verdict is not None:
                     with contextlib.suppress(Exception):
                         self.call(self.client.key_value_set, STALL_KEY, verdict, allow_overwrite=True)
-                    self._stalled(verdict, values)
-                    return
+            self._publish_summary(values, silent, None, stalled=verdict is not None)
+            if verdict is not None:
+                self._stalled(verdict, values)
+                return
+            if self._act(reason, values, calls, peers, silent, now):
+                return
+
+    def _act(
+        self,
+        reason: str | None,
+        values: dict[int, str],
+        calls: dict[int, progress.Calls],
+        peers: list[int],
+        silent: list[int],
+        now: float,
+    ) -> bool:
+        """A round's end, the same for every watchdog: stops this process on ``reason`` (a lost or failed peer),
+        or once it has waited ``peer_timeout_s`` in a call for peers that ended early; True when it stopped."""
+        if reason is not None and self.state is None:
+            reason += "; " + self._calls_clause(calls, values)
+        ended = [p for p in peers if values.get(p) == DONE]
+        since = self.waiting_since
+        shutdown = False
+        if reason is None and ended and since is not None and now - since > self.peer_timeout_s:
+            reason = (
+                f"waited {now - since:.0f} s for process(es) {ended}, which ended early (returned from the "
+                "script or called sys.exit; the exit code is in its output and the launcher's summary) while "
+                "this one still needed them"
+            )
+            shutdown = True  # nobody is dead: leave the group cleanly, so that the DONE ones exit with their code
+        if reason is None:
+            return False
+        self._end(reason, shutdown=shutdown, silent=silent)
+        return True
+
+    def _follow(self, summary: Summary | None, stale_s: float, peers: list[int]) -> bool:
+        """A round of a watchdog other than the aggregator's: acts on the aggregator's ``summary`` (what it found
+        of every process), or names the aggregator lost when its summary has not moved for ``peer_timeout_s``
+        (``stale_s``); True when this process stopped."""
+        values = dict(summary.states) if summary is not None else {}
+        silent = [p for p in (summary.silent if summary is not None else []) if p != self.process_id]
+        if stale_s > self.peer_timeout_s and values.get(AGGREGATOR) not in ENDED:
+            silent = sorted({*silent, AGGREGATOR})
+        if summary is not None and summary.stalled and self.state is None and not silent:
+            with contextlib.suppress(Exception):
+                verdict = self.call(_try_get, self.client, STALL_KEY, timeout_s=2.0)
+                if verdict is not None:
+                    self._stalled(verdict, self._everyone())
+                    return True
+        reason = None
+        for p in peers:
+            if values.get(p) == FAILED:
+                reason = f"process {p} ended with an unhandled exception (see its output)"
+            elif values.get(p) == LOST:
+                reason = f"process {p} lost a peer and ended (exit {exitcodes.EXIT_PEER_LOST})"
+        if silent:
+            reason = _silent_reason(silent, self.peer_timeout_s)
+        if summary is not None and summary.mismatch is not None and self.state is None:
+            self._mismatched(summary.mismatch, reason)
+            return True
+        calls: dict[int, progress.Calls] = {}
+        if reason is not None and self.state is None:
+            # Once, as this process stops: every process's calls for the message (the only read of all N values)
+            with contextlib.suppress(Exception):
+                everyone, _, calls = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
+                values = {**everyone, **values}
+            calls[self.process_id] = progress.Calls.parse(progress.calls_text())  # type: ignore[assignment]
+            # A call made apart, seen in that read: named as the aggregator would have (it may be what gloo aborted
+            # for that call: then nobody else judges it)
+            found = progress.mismatch({p: c for p, c in calls.items() if values.get(p) != DONE})
+            if found is not None:
+                self._mismatched(found, reason)
+                return True
+        return self._act(reason, values, calls, peers, silent, time.monotonic())
+
+    def _publish_summary(
+        self,
+        values: dict[int, str],
+        silent: list[int],
+        mismatch: progress.Mismatch | None,
+        *,
+        stalled: bool = False,
+        own: str | None = None,
+    ) -> None:
+        """The aggregator's round, for every other watchdog (``SUMMARY_KEY``): the processes that ended and how
+        (this one's ``own`` state, or its state), the ones silent for the peer timeout, a call mismatch judged, a
+        stall judged."""
+        self._last_values = values
+        states = {p: v for p, v in values.items() if v in ENDED and p != self.process_id}
+        if (own or self.state) is not None:
+            states[self.process_id] = own or self.state  # type: ignore[assignment]
+        self._last_summary = Summary(self.counter, states, silent, mismatch, stalled)
+        with contextlib.suppress(Exception):
+            text = self._last_summary.text()
+            self.call(self.client.key_value_set, SUMMARY_KEY, text, allow_overwrite=True, timeout_s=2.0)
+
+    def _republish(self, own: str | None = None, silent: list[int] | None = None) -> None:
+        """The aggregator's last summary again, with its own state now (``own``, or its state) and ``silent`` if
+        given: what it found stays published as it ends (a call mismatch, the silent processes)."""
+        last = self._last_summary
+        self._publish_summary(
+            self._last_values,
+            silent if silent else (last.silent if last is not None else []),
+            last.mismatch if last is not None else None,
+            stalled=last.stalled if last is not None else False,
+            own=own,
+        )
+
+    def _everyone(self) -> dict[int, str]:
+        """Every process's heartbeat value, read once (the aggregator's read, or a stopping process's)."""
+        values, _, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
+        return values
+
+    def _states(self) -> dict[int, str]:
+        """The processes that ended and how (DONE, FAILED, ...): for the aggregator from every heartbeat, for the
+        others from the aggregator's summary (theirs as the aggregator saw it, a round ago at most)."""
+        if self.process_id == AGGREGATOR:
+            return {p: v for p, v in self._everyone().items() if v in ENDED}
+        summary = _parse_summary(self.call(_try_get, self.client, SUMMARY_KEY, timeout_s=2.0))
+        return dict(summary.states) if summary is not None else {}
 
     def _judge(self, seen: dict[int, progress.Seen | None], quiet_s: float) -> str | None:
         """The stall verdict (JSON) when some process waits for its peers and no process has ticked for longer
@@ -367,12 +553,16 @@ class Watchdog(threading.Thread):
         deadline = time.monotonic() + 3 * self.interval + 1.0
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                places = {
-                    int(k.rsplit("/", 1)[1]): v
-                    for k, v in self.call(self.client.key_value_dir_get, WHERE_PREFIX, timeout_s=2.0)
-                }
-                values, _, _ = _entries(self.call(self.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
-                if all(values.get(p) in ENDED for p in peers) and all(p in places for p in behind):
+                for p in behind:
+                    if p not in places:
+                        place = self.call(_try_get, self.client, f"{WHERE_PREFIX}{p}", timeout_s=2.0)
+                        if place is not None:
+                            places[p] = place
+                if self.process_id == AGGREGATOR:  # its rounds have stopped: the others' summary comes from here
+                    values = self._everyone()
+                    self._publish_summary(values, [], None, stalled=True)
+                states = self._states()
+                if all(states.get(p) in ENDED for p in peers) and all(p in places for p in behind):
                     break
             time.sleep(self.interval / 4)
         group = verdict.get("group", {})
@@ -488,6 +678,8 @@ class Watchdog(threading.Thread):
         os.write(2, message.encode())
         with contextlib.suppress(Exception):  # tell the peers, briefly: the coordinator may be what was lost
             self.call(self.client.key_value_set, self.key, _value(mark), allow_overwrite=True, timeout_s=2.0)
+        if self.process_id == AGGREGATOR:  # the others read the aggregator's state from its summary
+            self._republish(own=mark, silent=silent)
         if self.process_id == 0 and not shutdown:
             self.linger()
         if shutdown:
@@ -518,6 +710,8 @@ class Watchdog(threading.Thread):
         self.state = state
         with contextlib.suppress(Exception):
             self.call(self.client.key_value_set, self.key, _value(state), allow_overwrite=True, timeout_s=5.0)
+        if self.process_id == AGGREGATOR:
+            self._republish()
 
 
 def group_healthy() -> bool:
@@ -614,15 +808,22 @@ def _at_exit() -> None:
     peers = set(range(watchdog.num_processes)) - {watchdog.process_id}
     while watchdog.peers_gone is None:
         try:
-            values, _, _ = _entries(watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX))
+            states = watchdog._states()
         except Exception:
             break  # the coordinator is gone: nothing left to wait for
-        if all(values.get(p) in ENDED for p in peers):
+        if watchdog.process_id != AGGREGATOR and time.monotonic() - watchdog.summary_change > watchdog.peer_timeout_s:
+            break  # the aggregator's summary stopped (it ended, or is gone): nothing more will be learned from it
+        if all(states.get(p) in ENDED for p in peers):
+            if watchdog.process_id == AGGREGATOR:
+                # the others wait for the same in the summary, and this watchdog's rounds stop below: the last
+                # ends it saw must be published now, or those still waiting would wait for them forever
+                with contextlib.suppress(Exception):
+                    watchdog._publish_summary(watchdog._everyone(), [], None)
             break
         time.sleep(watchdog.interval)
     with contextlib.suppress(Exception):
-        values, _, _ = _entries(watchdog.call(watchdog.client.key_value_dir_get, ALIVE_PREFIX, timeout_s=2.0))
-        lost = sorted(p for p in peers if values.get(p) == LOST)
+        states = watchdog._states()
+        lost = sorted(p for p in peers if states.get(p) == LOST)
         if lost:  # they stopped waiting for this process, which had ended: the run failed, whatever its exit code
             watchdog.note(early=True, reason=f"ended while process(es) {lost} still needed it; they stopped (69)")
     watchdog.stopped.set()
