@@ -648,6 +648,77 @@ def detect(
     }
 
 
+# ----------------------------------------------------------------- real processes (--real)
+
+REAL_WORKER = """
+import sys, time
+import jddp
+jddp.initialize(verbose=False)
+print("JOINED", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def real(num_processes: int, peer_timeout_s: float, window_s: float, settle_s: float = 5.0) -> dict[str, Any]:
+    """``jddp launch -n N`` of real processes (JAX imported, ``jddp.initialize``: the group joined and every
+    watchdog running, then idle): the coordination service's CPU per second over ``window_s`` once every process
+    has joined (the launcher's service, ``python -m jddp.runtime.coordinator``, found among its children), the
+    figure the simulator's ``wd cpu/s`` gives at the same N. Also the time from the launch to the last join."""
+    validate.check_int("num_processes", num_processes, minimum=2)
+    with contextlib.ExitStack() as stack:
+        folder = stack.enter_context(__import__("tempfile").TemporaryDirectory())
+        script = os.path.join(folder, "idle.py")
+        with open(script, "w") as f:
+            f.write(REAL_WORKER)
+        env = {**os.environ, "JDDP_COMPILATION_CACHE": "0"}
+        env.pop("XLA_FLAGS", None)
+        argv = [sys.executable, "-m", "jddp.launch", "-n", str(num_processes), "--peer-timeout", str(peer_timeout_s)]
+        argv += ["--max-restarts", "0", script, str(window_s + settle_s + 600)]
+        start = time.monotonic()
+        launcher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stack.callback(launcher.kill)
+        joined: list[float] = []
+        service = None
+        deadline = start + 600
+        assert launcher.stdout is not None
+        for line in launcher.stdout:
+            if "JOINED" in line:  # the worker's line once jddp.initialize has returned (the group joined)
+                joined.append(time.monotonic() - start)
+                if len(joined) == num_processes:
+                    break
+            if time.monotonic() > deadline or launcher.poll() is not None:
+                raise RuntimeError(f"real N={num_processes}: {len(joined)} of the processes joined: {line}")
+        threading.Thread(target=lambda: [None for _ in launcher.stdout], daemon=True).start()  # keep the pipe open
+        for child in _children(launcher.pid):
+            with contextlib.suppress(OSError):
+                if b"jddp.runtime.coordinator" in open(f"/proc/{child}/cmdline", "rb").read():
+                    service = child
+        if service is None:
+            raise RuntimeError(f"real N={num_processes}: the launcher's coordination service was not found")
+        time.sleep(settle_s)
+        cpu0, w0 = cpu_s(service), time.monotonic()
+        time.sleep(window_s)
+        cpu = (cpu_s(service) - cpu0) / (time.monotonic() - w0)
+        launcher.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            launcher.wait(timeout=60)
+    return {"n": num_processes, "service_cpu_per_s": cpu, "joined_s": max(joined), "load": loadavg()}
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (``/proc/<pid>/task/*/children``)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+                found += kids
+                todo += kids
+    return found
+
+
 def table(results: Sequence[dict[str, Any]]) -> str:
     columns = [
         ("join s", lambda r: r["join_s"]),
@@ -741,8 +812,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the simulated processes' heartbeat values are those of a run at this step (0: before any step)",
     )
     parser.add_argument("--json", default=None, help="also write the raw figures to this file")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="real processes instead (jddp launch -n N, idle after joining): the service's CPU per second over "
+        "--window s, and the time to the last join, for each N; then the simulator's wd cpu/s at the same N",
+    )
+    parser.add_argument("--window", type=float, default=20.0, help="--real: seconds the service's CPU is taken over")
     args = parser.parse_args(argv)
     counts = parse_counts(args.n)
+    if args.real:
+        rows = []
+        for n in counts:
+            r = real(n, args.peer_timeout, args.window)
+            sim = measure(
+                n, workers=args.workers, peer_timeout_s=args.peer_timeout, warmup_s=args.window, ops=[], at_step=0
+            )  # the real processes are idle: heartbeat values of a process before any step
+            r["sim_service_cpu_per_s"] = sim["detection"]["service_cpu_per_s"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        print("| N | real: service CPU s/s | simulator | real / simulator | real: last join s | load |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            ratio = r["service_cpu_per_s"] / r["sim_service_cpu_per_s"] if r["sim_service_cpu_per_s"] else math.nan
+            print(
+                f"| {r['n']} | {r['service_cpu_per_s']:.4f} | {r['sim_service_cpu_per_s']:.4f} | {ratio:.2f} | "
+                f"{r['joined_s']:.1f} | {r['load']:.1f} |"
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": list(sys.argv), "real": rows}, f, indent=1)
+        return 0
     results = []
     for n in counts:
         r = measure(
