@@ -30,6 +30,11 @@ process makes, through a proxy that counts every call and the bytes of its keys 
   jddp's Watchdog (and are timed); the others make its two calls at its pace without parsing the N values
   (``LightRound``): the same load at the service, far less of the simulator's own CPU.
 
+``--real``: the check of the simulator against real processes, for each N: ``jddp launch -n N`` of processes
+that import JAX, join the group with ``jddp.initialize`` and stay idle (their watchdogs running), the
+coordination service's CPU per second over ``--window`` s and the time to the last join; then the simulator's
+steady-state figure at the same N (``detection``'s, heartbeat values of a process before any step, as theirs).
+
 The preemption and checkpoint agreements (``jddp/checkpoint/preemption.py``, ``checkpointer.py``) are
 ``multihost_utils.process_allgather``: a device collective over gloo, not a call to the coordination service, so
 it is not simulated here (its cost is gloo's, which needs devices).
