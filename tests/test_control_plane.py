@@ -122,6 +122,14 @@ def test_a_summary_reads_back_as_it_was_written(round_, states, silent, groups, 
     assert watchdog._parse_summary(None) is None
 
 
+def test_the_summary_of_a_whole_group_ending_is_a_few_bytes():
+    # every watchdog reads the summary every round: at the end of a run of 1024 processes every one is DONE, and
+    # the summary must not list them one by one (1023 readers x N entries would be N^2 again)
+    ended = watchdog.Summary(7, dict.fromkeys(range(1024), watchdog.DONE), [], None, False)
+    assert len(ended.text()) < 120, ended.text()
+    assert watchdog._parse_summary(ended.text()) == ended
+
+
 def test_mid_training_values_are_a_runs(monkeypatch):
     monkeypatch.setattr(progress, "PROGRESS", progress.Progress())  # this process's own is left alone
     control_plane.mid_training(100)

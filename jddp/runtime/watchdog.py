@@ -133,7 +133,7 @@ class Summary:
         return json.dumps(
             {
                 "round": self.round,
-                "states": {str(p): v for p, v in sorted(self.states.items())},
+                "states": {v: _runs(sorted(p for p, w in self.states.items() if w == v)) for v in ENDED},
                 "silent": self.silent,
                 "mismatch": None if found is None else {"seq": found.seq, "groups": found.groups, "odd": found.odd},
                 "stalled": self.stalled,
@@ -149,7 +149,20 @@ def _parse_summary(text: str | None) -> Summary | None:
     d = json.loads(text)
     m = d["mismatch"]
     found = None if m is None else progress.Mismatch(m["seq"], {k: tuple(v) for k, v in m["groups"].items()}, m["odd"])
-    return Summary(d["round"], {int(p): v for p, v in d["states"].items()}, list(d["silent"]), found, d["stalled"])
+    states = {p: v for v, runs in d["states"].items() for first, last in runs for p in range(first, last + 1)}
+    return Summary(d["round"], states, list(d["silent"]), found, d["stalled"])
+
+
+def _runs(processes: list[int]) -> list[list[int]]:
+    """Sorted process indices as runs ``[first, last]``: the ends of a whole group of 1024 are one run, a few
+    bytes, for every watchdog that reads them."""
+    runs: list[list[int]] = []
+    for p in processes:
+        if runs and runs[-1][1] == p - 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return runs
 
 
 def _try_get(client, key: str) -> str | None:
