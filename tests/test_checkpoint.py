@@ -676,17 +676,25 @@ def read_consumed(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-TWO_PROCESS_STEPS = 30
+# Past every step the tests act at (kills up to step 13, a save every 4 steps: 4, 8, 12 and 16 on disk); more steps
+# run the same code again.
+TWO_PROCESS_STEPS = 16
 
 
-def launch_worker(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The checkpointing worker under ``jddp launch -n 2`` for ``TWO_PROCESS_STEPS`` steps."""
+def launch_worker(
+    out: Path, *args: str, restarts: int = 3, steps: int = TWO_PROCESS_STEPS, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The checkpointing worker under ``jddp launch -n 2 --max-restarts <restarts>`` for ``steps`` steps.
+
+    A run that must not fail gets no restart (0): a failure then shows instead of being restarted, and no spare or
+    standby processes start beside it for a restart that never comes (each imports JAX and compiles the step: two
+    more processes on the CPUs the run uses). A run that fails N times gets N: no spares for an attempt N + 1."""
     out.mkdir(exist_ok=True)
     return multiprocess.launch(
         # The launcher sees a worker die itself; the peer timeout only matters for a live process that goes silent,
         # and a short one judged a slow process dead on a loaded machine.
-        *("-n", "2", "--max-restarts", "3", "--kill-grace", "1", "--peer-timeout", "15", "--term-timeout", "60"),
-        *(WORKER, str(out), str(TWO_PROCESS_STEPS), *args),
+        *("-n", "2", "--max-restarts", str(restarts), "--kill-grace", "1", "--peer-timeout", "15"),
+        *("--term-timeout", "60", WORKER, str(out), str(steps), *args),
         env=env,
     )
 
@@ -695,7 +703,7 @@ def launch_worker(out: Path, *args: str, env: dict[str, str] | None = None) -> s
 def two_process_reference(tmp_path_factory):
     """An uninterrupted 2-process run: the ids each step consumed, and the final parameters."""
     out = tmp_path_factory.mktemp("clean")
-    done = launch_worker(out)
+    done = launch_worker(out, restarts=0)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     reference = {r["step"]: r["ids"] for r in read_consumed(out / "consumed.jsonl")}
     assert sorted(reference) == list(range(1, TWO_PROCESS_STEPS + 1))
@@ -722,8 +730,9 @@ def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_r
     does), so process 0's newest is sent to it ("peer"): the kill's step (if process 0 finished it), or one or two
     before; the disk (a save every 4 steps) only when its step is newer."""
     rng, named = replay.rng()
-    kills = sorted(int(k) for k in rng.choice(np.arange(5, 28), 2, replace=False))
-    done = launch_worker(tmp_path, f"{kills[0]},{kills[1]}", env={"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory")})
+    kills = sorted(int(k) for k in rng.choice(np.arange(5, TWO_PROCESS_STEPS - 2), 2, replace=False))
+    memory = {"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory")}
+    done = launch_worker(tmp_path, f"{kills[0]},{kills[1]}", restarts=2, env=memory)
     shown = f"kills at {kills}, {named}\n{done.stdout}\n{done.stderr}"
     assert done.returncode == 0, shown
     log = assert_same_run(tmp_path, two_process_reference, f"kills at {kills}, {named}")
@@ -800,7 +809,7 @@ def test_an_exception_while_an_async_save_is_written_exits_1_and_the_restart_res
     """Process 0 raises right after handing over the save of step 8. Its peer exits 69; process 0 must exit 1 by
     itself, not wait at exit for Orbax's commit thread, which waits at a barrier for the peer that left (before:
     the launcher had to SIGKILL it, and named it frozen). The restart resumes from the last complete step."""
-    done = launch_worker(tmp_path, env={"RAISE_AT": "8"})
+    done = launch_worker(tmp_path, restarts=1, env={"RAISE_AT": "8"})
     shown = f"{done.stdout}\n{done.stderr}"
     assert done.returncode == 0, shown
     assert "first failure: process 0, failed with exit code 1" in done.stderr, shown
@@ -826,7 +835,7 @@ def test_two_processes_sigterm_save_the_agreed_step_and_resume_bitwise_equal(tmp
     assert saved[-1] == step, saved  # the step the group stopped at is saved: no work lost
     assert max(r["step"] for r in read_consumed(tmp_path / "consumed.jsonl")) == step
 
-    done = launch_worker(tmp_path)
+    done = launch_worker(tmp_path, restarts=0)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert f"RESUMED at step {step} attempt 0" in done.stdout
     log = assert_same_run(tmp_path, two_process_reference)
@@ -841,7 +850,7 @@ def test_a_launcher_killed_mid_run_leaves_a_saved_step_and_no_temporary_folder(t
     stops (JAX would abort them from C++, SIGABRT, with nothing saved)."""
     env = {"KILL_LAUNCHER_AT": "8", "PREEMPTION_CHECK_S": "0"}
     killed_at = time.monotonic()
-    done = launch_worker(tmp_path, env=env)
+    done = launch_worker(tmp_path, steps=30, env=env)  # steps after 8 for the watchdog's round that sees it
     assert done.returncode == -signal.SIGKILL, f"{done.stdout}\n{done.stderr}"
     exits = [tmp_path / f"exit-{p}" for p in (0, 1)]
     while not all(e.exists() for e in exits) and time.monotonic() - killed_at < 120:
@@ -872,21 +881,23 @@ def run_worker(out: Path, steps: int, devices: int) -> subprocess.CompletedProce
 
 
 @pytest.mark.multiprocess
-def test_saved_by_two_processes_restored_by_one(tmp_path):
+def test_saved_by_two_processes_restored_by_one(tmp_path, two_process_reference):
+    """Saved at step 8 by 2 processes of 2 devices each, restored by 1 process of 2 devices, which ends the run: the
+    uninterrupted run's batches at every step, and its parameters within round-off (that run is another topology
+    still, 2 processes of 1 device: the module's reference)."""
     out = tmp_path / "two"
     out.mkdir()
-    done = multiprocess.launch("-n", "2", "--devices-per-process", "2", WORKER, str(out), "12")
+    done = multiprocess.launch("-n", "2", "--devices-per-process", "2", WORKER, str(out), "8")
     assert done.returncode == 0, done.stdout + done.stderr
-    done = run_worker(out, 20, devices=2)
+    done = run_worker(out, TWO_PROCESS_STEPS, devices=2)
     assert done.returncode == 0, done.stderr
-    assert "RESUMED at step 12" in done.stdout
-    clean = tmp_path / "clean"
-    clean.mkdir()
-    done = run_worker(clean, 20, devices=4)
-    assert done.returncode == 0, done.stderr
-    a, b = np.load(clean / "final.npz"), np.load(out / "final.npz")
-    for name in a.files:
-        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6)
-    reference = {r["step"]: r["ids"] for r in read_consumed(clean / "consumed.jsonl")}
-    for record in read_consumed(out / "consumed.jsonl"):
-        assert record["ids"] == reference[record["step"]]
+    assert "RESUMED at step 8 attempt 0 from disk" in done.stdout, done.stdout
+    consumed, params = two_process_reference
+    final = np.load(out / "final.npz")
+    assert sorted(final.files) == sorted(params)
+    for name, value in params.items():
+        np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-6, err_msg=name)
+    log = read_consumed(out / "consumed.jsonl")
+    assert [r["step"] for r in log] == list(range(1, TWO_PROCESS_STEPS + 1))
+    for record in log:
+        assert record["ids"] == consumed[record["step"]], record["step"]
