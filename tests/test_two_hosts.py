@@ -27,12 +27,13 @@ HOSTS = multiprocess.ROOT / "tools" / "netns_hosts.sh"
 TRAIN = str(multiprocess.WORKERS / "train_mlp.py")
 COORDINATOR = "10.231.0.1:29500"  # ADDR_A of the sandbox with NET_ID=0, port 29500
 # Runs inside the sandbox, which exports NETNS_A, NETNS_B and ADDR_A. Arguments: python, log folder, worker.
+# $RESTARTS: the launchers' --max-restarts (1 if unset); 0 for a run that must not fail (no spares beside it).
 LAUNCH = """
 python=$1 logs=$2; shift 2
 for rank in 0 1; do
   ns=$NETNS_A; [ $rank = 1 ] && ns=$NETNS_B
-  ip netns exec "$ns" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts 1 --peer-timeout 10 \\
-    --nnodes 2 --node-rank $rank --coordinator "$ADDR_A:29500" "$@" > "$logs/host$rank.log" 2>&1 &
+  ip netns exec "$ns" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts "${RESTARTS:-1}" \\
+    --peer-timeout 10 --nnodes 2 --node-rank $rank --coordinator "$ADDR_A:29500" "$@" > "$logs/host$rank.log" 2>&1 &
   pids[$rank]=$!
 done
 wait "${pids[0]}"; a=$?; wait "${pids[1]}"; b=$?
@@ -111,20 +112,18 @@ def test_a_lost_host_is_replaced_and_resumes_from_the_survivors_memory(tmp_path)
     """The replacement host holds no snapshot: the survivor's newest (step 10, or 9 if the survivor was stopped while
     writing 10) is sent to it, the run goes on from there (the disk holds 8), consumes the examples of an
     uninterrupted run on the same two hosts and ends with its parameters, bit for bit."""
-    runs = {}
-    for name, script in (("uninterrupted", LAUNCH), ("lost", REPLACE)):
+    runs, steps = {}, 16  # host 1 lost after step 11, the disk's newest step 8 (a save every 4): 5 steps to go after
+    for name, script, env in (("uninterrupted", LAUNCH, {"RESTARTS": "0"}), ("lost", REPLACE, {})):
         out = tmp_path / name
         out.mkdir()
-        runs[name] = (
-            out,
-            two_hosts(tmp_path, str(multiprocess.WORKERS / "ckpt_train.py"), str(out), "30", script=script),
-        )
+        worker = (str(multiprocess.WORKERS / "ckpt_train.py"), str(out), str(steps))
+        runs[name] = (out, two_hosts(tmp_path, *worker, script=script, **env))
     host0 = runs["lost"][1][0]
     resumed = re.findall(r"RESUMED at step (\d+) attempt 1 from (\w+)", host0)
     assert resumed and resumed[0][1] == "peer" and int(resumed[0][0]) in (9, 10), host0
     read = lambda out: [json.loads(line) for line in (out / "consumed.jsonl").read_text().splitlines()]
     consumed = {r["step"]: r["ids"] for r in read(runs["uninterrupted"][0])}
-    assert sorted(consumed) == list(range(1, 31))
+    assert sorted(consumed) == list(range(1, steps + 1))
     for record in read(runs["lost"][0]):
         assert record["ids"] == consumed[record["step"]], record
     a, b = (dict(np.load(runs[name][0] / "final.npz")) for name in ("uninterrupted", "lost"))
