@@ -133,9 +133,10 @@ def test_resume_restores_the_rng_into_a_state_built_from_another_seed(tmp_path):
     """The run's key is part of the checkpoint: a relaunch that builds its state with another seed still
     continues the uninterrupted run bitwise (and that seed alone would have trained differently)."""
 
-    def run(seed: int, until: int, ckpt=None):
-        dp, state, loader = make(4)
-        dp = jddp.DataParallel(dropout_loss_fn, optax.adamw(1e-2), mesh=state.params["w1"].sharding.mesh)
+    dp = jddp.DataParallel(dropout_loss_fn, optax.adamw(1e-2), mesh=jddp.data_mesh(jax.devices()[:4]))
+
+    def run(seed: int, until: int, ckpt=None):  # each run with the same engine: one compilation for the four
+        _, state, loader = make(4)
         state = dp.init(jax.tree.map(np.asarray, state.params), rng=seed)
         if ckpt is not None:
             state, loader = ckpt.restore_or_init(state, loader)
@@ -271,26 +272,6 @@ os.kill(os.getpid(), signal.SIGKILL)
         state = ckpt.restore_or_init(state)
     assert int(state.step) == 0 and float(state.params["w"][0, 0]) == 1.0
     assert not [p.name for p in tmp_path.iterdir() if "tmp" in p.name]  # cleaned when the directory was opened
-
-
-def test_sigterm_saves_exits_75_and_the_rerun_ends_bitwise_equal(tmp_path):
-    """One process: SIGTERM after step 7; the save is step 7; the rerun finishes like an uninterrupted run."""
-    env = multiprocess.environment(JDDP_LOCAL_DEVICES="2")
-    clean, interrupted = tmp_path / "clean", tmp_path / "interrupted"
-    clean.mkdir(), interrupted.mkdir()
-    done = subprocess.run([sys.executable, WORKER, str(clean), "15"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    done = subprocess.run(
-        [sys.executable, WORKER, str(interrupted), "15"], env={**env, "TERM_AT": "7"}, capture_output=True, text=True
-    )
-    assert done.returncode == exitcodes.EXIT_PREEMPTED, done.stderr
-    assert sorted(int(p.name) for p in (interrupted / "ckpt").iterdir() if p.name.isdigit())[-1] == 7
-    done = subprocess.run([sys.executable, WORKER, str(interrupted), "15"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "RESUMED at step 7" in done.stdout
-    a, b = np.load(clean / "final.npz"), np.load(interrupted / "final.npz")
-    for name in a.files:
-        np.testing.assert_array_equal(a[name], b[name])
 
 
 # ------------------------------------------------------------------ the async write beside training
@@ -723,9 +704,26 @@ def assert_same_run(out: Path, reference, context: str = "") -> list[dict]:
     return log
 
 
+@pytest.mark.multiprocess  # its reference is the module's 2-process run
+def test_sigterm_saves_exits_75_and_the_rerun_ends_bitwise_equal(tmp_path, two_process_reference):
+    """One process: SIGTERM after step 7; the save is step 7; the rerun finishes like an uninterrupted run. That run
+    is the module's 2-process one: 1 process of 2 devices trains bitwise as 2 processes of 1 (a sum of two)."""
+    env = multiprocess.environment(JDDP_LOCAL_DEVICES="2")
+    steps = str(TWO_PROCESS_STEPS)
+    done = subprocess.run(
+        [sys.executable, WORKER, str(tmp_path), steps], env={**env, "TERM_AT": "7"}, capture_output=True, text=True
+    )
+    assert done.returncode == exitcodes.EXIT_PREEMPTED, done.stderr
+    assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())[-1] == 7
+    done = subprocess.run([sys.executable, WORKER, str(tmp_path), steps], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "RESUMED at step 7" in done.stdout
+    assert_same_run(tmp_path, two_process_reference, "one process, SIGTERM at 7")
+
+
 @pytest.mark.multiprocess
 def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_reference):
-    """jddp launch --max-restarts 3; process 1 SIGKILLs itself at two random steps (before its maybe_save there).
+    """jddp launch --max-restarts 2; process 1 SIGKILLs itself at two random steps (before its maybe_save there).
     Each restart restores from memory: process 1 keeps no snapshot of the replicated state (its host's first process
     does), so process 0's newest is sent to it ("peer"): the kill's step (if process 0 finished it), or one or two
     before; the disk (a save every 4 steps) only when its step is newer."""
