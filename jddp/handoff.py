@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import socket
 
-__all__ = ["ENV_STANDBY_FD", "READY", "STANDING_BY", "receive"]
+__all__ = ["ENV_STANDBY_FD", "READY", "STANDING_BY"]  # `receive`: the two ends only, no public API
 
 READY = b"ready\n"  # a spare's one message to its launcher: imported, waiting for its role
 STANDING_BY = b"standby\n"  # a standby process's next (jddp.runtime.standby): ready, waiting for the failure
