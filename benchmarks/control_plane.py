@@ -71,6 +71,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -671,7 +672,7 @@ def real(num_processes: int, peer_timeout_s: float, window_s: float, settle_s: f
     figure the simulator's ``wd cpu/s`` gives at the same N. Also the time from the launch to the last join."""
     validate.check_int("num_processes", num_processes, minimum=2)
     with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(__import__("tempfile").TemporaryDirectory())
+        folder = stack.enter_context(tempfile.TemporaryDirectory())
         script = os.path.join(folder, "idle.py")
         with open(script, "w") as f:
             f.write(REAL_WORKER)
