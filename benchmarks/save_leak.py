@@ -132,6 +132,7 @@ def main() -> None:
         "--direct", action="store_true", help="jddp: Orbax's save from the main thread (as with several processes)"
     )
     parser.add_argument("--tuned", action="store_true", help="jddp launch's GLIBC_TUNABLES")
+    parser.add_argument("--trim-every", type=int, default=0, help="malloc_trim(0) every N saves (0: never)")
     args = parser.parse_args()
     if args.saves < 2 * args.every or args.every < 1 or args.warm_up < 0:
         parser.error(f"--saves must be >= 2 x --every, --every >= 1, --warm-up >= 0; got {vars(args)}")
@@ -237,11 +238,17 @@ def run(args, directory: Path) -> None:
                 if ckpt._snapshots is not None:
                     ckpt._snapshots.wait()
 
+        trims: list[float] = []
+
         def steps(count, start):
             nonlocal state
             for i in range(count):
                 state, _ = dp.step(state, batch)
                 save(state, start + i)
+                if args.trim_every and (start + i) % args.trim_every == 0:
+                    t0 = time.perf_counter()
+                    ctypes.CDLL(None).malloc_trim(0)
+                    trims.append(time.perf_counter() - t0)
             wait()
             gc.collect()
 
@@ -283,6 +290,12 @@ def run(args, directory: Path) -> None:
         + "".join(f", {k} {slope([(r[0], r[5][k]) for r in late]):+.0f}" for k in late[0][5])
         + f"; load at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
+    if trims:
+        trims.sort()
+        print(
+            f"{me}  malloc_trim(0): {len(trims)} calls, median {trims[len(trims) // 2] * 1e3:.2f} ms, "
+            f"max {trims[-1] * 1e3:.2f} ms"
+        )
     if half is not None and after is not None:
         count = rows[-1][0] - half[0]
         grown = after.compare_to(half[1], "traceback")

@@ -11,6 +11,7 @@ per-step time of each mode, their ratio, the snapshots taken and their interval 
 pairs' ratios (run i of each mode is a pair, run side by side) with a 95% bootstrap interval, and the load average.
 
     python -m benchmarks.snapshot_cost --within [--repeats 3] [--blocks 20] [--block 200] [--snapshot-every 0]
+                                       [--budget 0]
 
 The runs of a pair differ by more than the cost on a shared machine (whole runs of the MLP spread by 10%). With
 ``--within`` the comparison is made inside each run instead, block by block (``worker``): the MLP under
@@ -106,7 +107,8 @@ def worker(args) -> None:
         for b in models.synthetic_batches(8, 128)
     ]
     every = args.snapshot_every or None
-    ckpt = jddp.Checkpointer(args.dir, save_every=args.save_every, snapshots=True, snapshot_every=every)
+    budget = {"snapshot_budget": args.budget} if args.budget else {}  # else the Checkpointer's default
+    ckpt = jddp.Checkpointer(args.dir, save_every=args.save_every, snapshots=True, snapshot_every=every, **budget)
     snaps = ckpt._snapshots  # the one private handle: the same Checkpointer, its snapshots taken or not
     assert snaps is not None
     step = 0
@@ -151,7 +153,7 @@ def within(args) -> None:
             argv = [
                 sys.executable, "-m", "jddp.launch", "-n", "2", __file__, "--worker", "--dir", f"{run_dir}/ckpt",
                 "--blocks", str(args.blocks), "--block", str(args.block), "--save-every", str(args.save_every),
-                "--snapshot-every", str(args.snapshot_every),
+                "--snapshot-every", str(args.snapshot_every), "--budget", str(args.budget),
             ]  # fmt: skip
             done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
         found = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
@@ -188,6 +190,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=20, help="--within: block pairs per run")
     parser.add_argument("--block", type=int, default=200, help="--within: steps per block")
     parser.add_argument("--snapshot-every", type=int, default=0, help="--within: fixed interval (0: by their cost)")
+    parser.add_argument("--budget", type=float, default=0.0, help="--within: snapshot_budget (0: the default)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

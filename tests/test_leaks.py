@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
@@ -21,6 +23,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 import jddp
 from jddp.checkpoint import storage
+from jddp.runtime import memory
 
 # Calls of the functions Orbax uses, each returning a dict (at some depth) whose string values are fresh objects.
 CALLS = {
@@ -164,3 +167,57 @@ def test_fit_history_keeps_the_last_records(tmp_path, monkeypatch):
     logged = [r for r in logs.read_metrics(tmp_path / logs.METRICS_FILE) if not r["split"].startswith("goodput")]
     assert len(logged) == 10 + 2  # a train record every 2 steps, a train_epoch one every 8
     assert result.history == [{k: v for k, v in r.items() if k != "run"} for r in logged[-5:]]
+
+
+# A heap fragmented as a long run of saves leaves it: blocks of many sizes freed between small ones still in use,
+# under jddp launch's allocator settings (nothing returned to the system by itself). In a process of its own:
+# glibc reads GLIBC_TUNABLES at a process's start.
+FRAGMENT = r"""
+import ctypes, os, sys
+from jddp.runtime import memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+page = os.sysconf("SC_PAGE_SIZE")
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page / 2**20
+big, small = [], []
+for i in range(64):
+    size = (1 + i % 3) << 20
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    big.append(block)
+    small.append(libc.malloc(64))  # still in use after the big ones go: no big block can merge with the top
+for block in big:
+    libc.free(block)
+before = rss()
+trimmer = memory.Trimmer(every=float(sys.argv[1]), clock=iter([0.0, 0.0, 30.0, 61.0, 61.0]).__next__)
+trimmed = [trimmer.maybe(), trimmer.maybe(), trimmer.maybe()]  # at 0 s, 30 s and 61 s after the start
+print(before, rss(), *trimmed)
+"""
+
+
+def test_trimmer_returns_a_fragmented_heap(tmp_path):
+    # 128 MB freed inside the heap stays resident under the launcher's settings until the trimmer is due: red with
+    # the trim call removed (no MB returned) or made before `every` seconds have passed (a trim at 0 or 30 s).
+    from jddp.cli.launch import MALLOC_TUNABLES
+
+    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
+    done = subprocess.run([sys.executable, "-c", FRAGMENT, "60"], env=env, capture_output=True, text=True, check=True)
+    before, after, *trimmed = done.stdout.split()
+    assert float(before) > 128, f"the freed blocks were not resident: {done.stdout}"
+    assert trimmed == ["False", "False", "True"], f"trimmed at 0 s, 30 s, 61 s: {trimmed}"
+    assert float(before) - float(after) > 120, f"resident MB before and after the trim: {before}, {after}"
+
+
+def test_maybe_save_trims_the_heap(tmp_path, monkeypatch):
+    # Checkpointer.maybe_save lets its trimmer trim, once per step: red with the call removed.
+    calls = []
+    monkeypatch.setattr(memory.Trimmer, "maybe", lambda self: calls.append(self) or False)
+    mesh = jddp.data_mesh(jax.devices()[:1])
+    state = jddp.DataParallel(lambda p, s, b, k: (0.0, (s, {})), optax.sgd(0.1), mesh=mesh).init(
+        {"w": np.zeros(2, np.float32)}, rng=0
+    )
+    with jddp.Checkpointer(tmp_path / "ckpt", save_every=None, snapshots=False) as ckpt:
+        for _ in range(3):
+            ckpt.maybe_save(state)
+        assert len(calls) == 3 and {id(c) for c in calls} == {id(ckpt._trimmer)}

@@ -30,7 +30,7 @@ from jddp._version import __version__
 from jddp.checkpoint import digest, handoff, lease, preemption, restore, snapshot, storage
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
 from jddp.checkpoint.restore import DAMAGED_SUFFIX, EXTRA, LOADER, META, STATE
-from jddp.runtime import dispatch, distributed, progress, standby, watchdog
+from jddp.runtime import dispatch, distributed, memory, progress, standby, watchdog
 from jddp.runtime.state import TrainState
 
 
@@ -172,6 +172,7 @@ class Checkpointer:
         self._last_saved: int | None = None
         self._unconfirmed: list[int] = []  # steps handed to Orbax and not yet known written
         self.stats = {"saves": 0, "blocked_s": 0.0, "restore_s": 0.0, "snapshots": 0, "snapshot_s": 0.0}
+        self._trimmer = memory.Trimmer()  # the heap's free pages back to the system, once a minute (maybe_save)
         self.damaged: list[tuple[int, str]] = []  # (step, reason) of each checkpoint set aside by a restore
         start = functools.partial(
             self._start,
@@ -482,6 +483,7 @@ class Checkpointer:
                 later() if callable(later) else extra.get_state() if extra is not None else None,
             )
             self.stats["snapshots"], self.stats["snapshot_s"] = snaps.taken, snaps.seconds
+        self._trimmer.maybe()
         return saved
 
     def wait(self) -> None:
