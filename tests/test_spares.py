@@ -14,6 +14,8 @@ import pytest
 
 from jddp.cli import launch as launch_lib
 from jddp.cli import spare as spare_lib
+from jddp.cli.launch import environment as launch_environment
+from jddp.cli.launch import supervisor
 from tests import multiprocess
 
 pytestmark = pytest.mark.multiprocess
@@ -46,14 +48,14 @@ def test_a_spare_handed_a_role_runs_the_target_as_python_would(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)  # a spare's working directory is the launcher's: sys.path[0] under -m
     monkeypatch.setenv("PYTHONPATH", str(multiprocess.ROOT))
     config = launch_lib.LaunchConfig(target="link.py", nprocs=4, max_restarts=1, cpu_share=True)
-    launcher = launch_lib._Launcher(config)
+    launcher = supervisor.Launcher(config)
     monkeypatch.setenv("GONE_BEFORE_THE_ROLE", "1")  # the spare's start had it, the role does not: not seen
-    spares = {rank: launcher.start_spare(rank) for rank in (1, 2)}
+    spares = {rank: launcher.spares.start(rank) for rank in (1, 2)}
     monkeypatch.delenv("GONE_BEFORE_THE_ROLE")
     shares = launch_lib.cpu_shares(sorted(os.sched_getaffinity(0)), 4)
     for rank, spare in spares.items():  # --cpu-share: pinned from its start to its local rank's cores
         assert sorted(os.sched_getaffinity(spare.popen.pid)) == shares[rank]
-    unused = launcher.start_spare(3)  # its launcher gone (the socket closed): it ends, running nothing
+    unused = launcher.spares.start(3)  # its launcher gone (the socket closed): it ends, running nothing
     unused.channel.close()
     roles = {1: (False, "link.py", ["a b", "--c"]), 2: (True, "report_module", ["x"])}
     envs = {}
@@ -61,7 +63,7 @@ def test_a_spare_handed_a_role_runs_the_target_as_python_would(tmp_path, monkeyp
     # in it), spare 2 while it is still importing.
     assert select.select([spares[1].channel], [], [], 120)[0]
     for rank, spare in spares.items():
-        env = launch_lib.environment(config, rank, "127.0.0.1:1", 1) | {"EXIT_WITH": str(rank + 4)}
+        env = launch_environment.environment(config, rank, "127.0.0.1:1", 1) | {"EXIT_WITH": str(rank + 4)}
         envs[rank] = env | {launch_lib.ENV_STDOUT_FD: str(spare.stdout_fd)}
         module, target, args = roles[rank]
         assert spare.hand(spare_lib.role(envs[rank], module=module, target=target, args=args), rank + 10)

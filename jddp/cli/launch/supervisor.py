@@ -1,0 +1,339 @@
+"""The attempt loop: start the group, watch it until it ends, restart it after a failure (``Launcher``), and the
+entry points ``launch`` and ``main``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+
+from jddp import envvars, exitcodes, net
+from jddp.cli import output
+from jddp.cli import spare as spare_lib
+from jddp.cli.launch import config as config_lib
+from jddp.cli.launch import environment, failure, mpi, nodes, notes, service, snapshots, spares, workers
+
+STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# With a restart left: how long after an attempt's start the spares and the next coordination service start when
+# the processes' goodput ledger does not say earlier that they are past their first step (a script without fit).
+PREPARE_AFTER_S = 3.0
+
+
+class Launcher:
+    """One launcher's group of processes across its attempts, composed of its parts: the processes (``group``),
+    the coordination service (``services``), the spares (``spares``), the other nodes (``nodes``), the processes'
+    notes (``notes``) and the snapshot directory (``snapshot_dir``)."""
+
+    def __init__(self, config: config_lib.LaunchConfig) -> None:
+        self.config = config
+        self.output = output.Output()
+        self.signal_received: int | None = None
+        self.attempt_start = self.run_start = STARTED
+        self.previous_end: float | None = None
+        self.attempt = 0
+        self.prepared = False  # this attempt's spares and next service started
+        self.group = workers.WorkerGroup(self.output)
+        self.services = service.ServiceManager(config)
+        self.nodes = nodes.Nodes(config, self.output)
+        self.notes = notes.NoteDir()
+        self.snapshot_dir = snapshots.SnapshotDir()  # made by run() unless the user set one
+        self.spares = spares.SparePool(config, self.output, self.snapshot_dir, self.role_environment)
+
+    # -- one process's start --------------------------------------------------
+    def role_environment(self, local_rank: int, coordinator: str, attempt: int) -> dict[str, str]:
+        """The environment of process ``local_rank`` of attempt ``attempt`` (``environment.role_environment``)."""
+        return environment.role_environment(
+            self.config,
+            local_rank,
+            coordinator,
+            attempt,
+            run_start=self.run_start,
+            ledger_note=self.notes.ledger,
+            snapshot_dir=self.snapshot_dir.path,
+        )
+
+    def start_one(self, local_rank: int, coordinator: str, attempt: int) -> workers.Worker:
+        """Process ``local_rank``: woken from standby, handed to its spare, or started anew."""
+        moment = environment.moment_environment(self.attempt_start, self.previous_end)
+        spare = self.spares.take(local_rank)
+        if spare is not None and spare.standby:  # standing by as this very process (start checked)
+            process_id = self.config.node_rank * self.config.nprocs + local_rank
+            spare.wake(spare_lib.wake(moment), self.output)  # one that ended as it was woken: this attempt fails
+            handle = workers.pidfd(spare.popen.pid)
+            return workers.Worker(process_id, spare.popen, spare.readers, from_spare="woken", pidfd=handle)
+        env = self.role_environment(local_rank, coordinator, attempt) | moment
+        cores = environment.cores(self.config, local_rank, env)
+        process_id = int(env["JDDP_PROCESS_ID"])
+        if spare is not None:  # the same environment, with the spare's own pipe for Python's stdout
+            c = self.config
+            message = spare_lib.role({**env, environment.ENV_STDOUT_FD: str(spare.stdout_fd)}, module=c.module,
+                                     target=c.target, args=c.target_args)  # fmt: skip
+            if spare.hand(message, process_id):
+                handle = workers.pidfd(spare.popen.pid)
+                return workers.Worker(process_id, spare.popen, spare.readers, from_spare="handed", pidfd=handle)
+            self.group.draining += spare.readers
+            self.output.say(f"the spare for process {process_id} had ended: starting the process anew")
+        argv, prefix = config_lib.command(self.config), output.Prefix(f"[{process_id}] ".encode())
+        popen, readers, _ = workers.spawn(self.output, argv, env, cores, prefix)
+        return workers.Worker(process_id, popen, readers, pidfd=workers.pidfd(popen.pid))
+
+    # -- an attempt -------------------------------------------------------------
+    def start(self, attempt: int) -> None:
+        c = self.config
+        # the goodput ledger's start of this attempt (JDDP_ATTEMPT_START); the first one starts with the launcher
+        self.attempt_start = STARTED if attempt == 0 else time.time()
+        self.notes.clear()
+        self.prepared = self.spares.said_ready = False
+        for w in self.group.workers:  # the previous attempt's
+            if w.pidfd is not None:
+                os.close(w.pidfd)
+        if self.spares.standby_failed(self.services.next):
+            self.group.draining += self.spares.discard()
+            if self.services.adopt_next() is not None:  # the ended standby processes had joined it
+                self.services.stop(wait=False)
+        self.spares.standby_handed = self.spares.standby_said = False
+        coordinator = self.services.adopt_next() if c.node_rank == 0 else None
+        if coordinator is None:
+            coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
+            if c.node_rank == 0:
+                self.services.start(coordinator)
+        self.group.workers = [self.start_one(local_rank, coordinator, attempt) for local_rank in range(c.nprocs)]
+        if c.node_rank == 0:
+            try:
+                self.services.await_ready()
+            except OSError:
+                self.group.signal_all(signal.SIGKILL)  # they would wait for a service that is not coming
+                self.group.wait_all(30)
+                self.group.finish_output()
+                raise
+        started = self.group.workers
+        first, last = started[0].process_id, started[-1].process_id
+        self.output.say(
+            f"started processes {first}..{last} of {c.nnodes * c.nprocs} (attempt {attempt + 1} of "
+            f"{c.max_restarts + 1}, coordinator {coordinator}): {' '.join(config_lib.command(c)[1:])}"
+        )
+        for kind, how in (("handed", "handed to their spares, not started anew"), ("woken", "woken from standby")):
+            handed = [w for w in started if w.from_spare == kind]
+            if handed:
+                said = ", ".join(f"{w.process_id} (pid {w.popen.pid})" for w in handed)
+                self.output.say(f"process(es) {said} {how}")
+
+    def prepare_restart(self) -> None:
+        """Once this attempt's processes are past their first step (or ``PREPARE_AFTER_S`` after its start), with a
+        restart left: starts the next attempt's coordination service (a local run's: a fresh free port) and one spare
+        per local process (``jddp.cli.spare``), so that a restart waits for neither."""
+        c = self.config
+        if self.prepared or self.attempt >= c.max_restarts or c.transport != "xla":
+            return
+        if time.time() - self.attempt_start < PREPARE_AFTER_S and not self.notes.first_step_taken(self.attempt_start):
+            return
+        self.prepared = True
+        if c.node_rank == 0 and c.coordinator is None and self.services.next is None:
+            self.services.start_next()
+        if c.spares:
+            self.spares.fill()
+
+    def silent_named(self) -> None:
+        """Acts on the processes' notes of silent peers (``WorkerGroup.stop_silent``)."""
+        for p, note in sorted(self.notes.read().items()):
+            silent = {q for q in note.get("silent") or [] if isinstance(q, int)}
+            if silent & {w.process_id for w in self.group.workers if w.code is None}:
+                self.group.stop_silent(silent, f"process {p}")
+
+    def wait_silent(self, timeout: float) -> bool:
+        """``WorkerGroup.wait_all``, stopping at once the processes that a survivor names silent meanwhile."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.silent_named()
+            if self.group.wait_all(min(0.2, max(deadline - time.monotonic(), 0.0))):
+                return True
+        self.group.poll()
+        return all(w.code is not None for w in self.group.workers)
+
+    def first_failure(self) -> workers.Worker | None:
+        return failure.first_failure(self.group.workers)
+
+    def failed_here(self, first_failed: workers.Worker) -> tuple[str, workers.Worker | None]:
+        """A process of this node failed first: stops the others at once when a restart follows, else gives them
+        the time to end by themselves (each naming what it lost, exit 69) before it stops them."""
+        assert first_failed.code is not None  # first_failure picks among processes that exited
+        what = exitcodes.describe(first_failed.code)
+        if first_failed.code == 0:
+            what = "exited 0 while its peers still needed it (it returned early or called sys.exit(0))"
+        # The others end by themselves within the peer timeout, each naming what it lost (exit 69); signals only
+        # for those that do not. When the first to end lost a peer, the others that lost it judge the same
+        # silence and end within a watchdog round; whoever is still running after that is the frozen one.
+        if self.attempt < self.config.max_restarts and not exitcodes.is_peer_failure(first_failed.code):
+            self.output.say(f"process {first_failed.process_id} {what}; a restart follows: stopping the others")
+            self.group.stop_for_restart()
+            return "failed", first_failed
+        wait = (self.config.peer_timeout or config_lib.DEFAULT_PEER_TIMEOUT_S) + 5
+        if first_failed.code == exitcodes.EXIT_PEER_LOST:  # not SIGABRT: gloo aborts a process at once
+            wait = failure.PEER_LOST_WAIT_S
+        self.output.say(
+            f"process {first_failed.process_id} {what}; waiting up to {wait:g} s for the others to end, "
+            "then stopping them"
+        )
+        if not self.wait_silent(wait):
+            self.group.stop_all(self.config.kill_grace)
+        self.group.poll()
+        return "failed", self.first_failure() or first_failed
+
+    def watch(self) -> tuple[str, workers.Worker | None]:
+        """Watches the started processes until they all ended; returns as ``run_once`` does."""
+        group = self.group
+        self.nodes.watch_start()
+        while True:
+            if self.signal_received is not None:
+                group.stop_after_signal(self.signal_received, self.config.term_timeout)
+                return "signal", None
+            group.poll()
+            self.silent_named()
+            if self.nodes.remote_failure(self.attempt, group):
+                return "failed", self.first_failure()
+            if self.nodes.service_gone() and any(w.code is None for w in group.workers):
+                self.output.say(
+                    f"the coordination service at {self.config.coordinator} has not answered for "
+                    f"{nodes.SERVICE_GONE_S:g} s: the group has ended on node 0; stopping this node's processes"
+                )
+                group.stop_all(self.config.kill_grace)
+                group.poll()
+                return "failed", self.first_failure()
+            first_failed = self.first_failure()
+            if first_failed is not None:
+                return self.failed_here(first_failed)
+            if all(w.code is not None for w in group.workers):
+                group.finish_output()
+                if any(w.code == exitcodes.EXIT_PREEMPTED for w in group.workers):
+                    return "preempted", None
+                early = [w for w in group.workers if self.notes.read().get(w.process_id, {}).get("early")]
+                if early:  # exited 0, but its peers (on other nodes) stopped waiting for it: the run failed
+                    return "failed", min(early, key=lambda w: w.ended or 0.0)
+                return "ok", None
+            self.prepare_restart()
+            self.spares.poll(self.services.next, self.attempt)
+            group.sleep(self.config.monitor_interval)
+
+    def run_once(self, attempt: int) -> tuple[str, workers.Worker | None]:
+        """Runs one attempt; returns ("ok" | "failed" | "preempted" | "signal", the first failed process)."""
+        c = self.config
+        try:
+            self.start(attempt)
+            self.attempt = attempt
+            outcome, first_failed = self.watch()
+            if outcome == "failed" and c.node_rank > 0:
+                self.nodes.report(attempt, first_failed, self.notes.read())
+            if (
+                outcome == "failed"
+                and self.services.current is not None
+                and c.nnodes > 1
+                and first_failed is not None
+                and not exitcodes.is_peer_failure(first_failed.code or 0)
+            ):
+                self.nodes.linger(attempt, lambda: self.signal_received is not None)
+            return outcome, first_failed
+        finally:
+            # A local run's next service listens on another port: this one stops in the background.
+            self.services.stop(wait=c.coordinator is not None)
+            self.previous_end = time.time()
+
+    # -- signals ------------------------------------------------------------
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # No printing here: the handler may interrupt `say`, which holds the output lock.
+        if self.signal_received is not None:
+            self.group.signal_all(signal.SIGKILL)
+            return
+        self.signal_received = signum
+        self.group.signal_all(signum)
+
+    # -- the run ------------------------------------------------------------
+    def summary(self, first_failed: workers.Worker | None) -> str:
+        return failure.summary(
+            self.group.workers, first_failed, self.notes.read(), lambda: self.nodes.reported(self.attempt)
+        )
+
+    def exit_code(self, outcome: str, first_failed: workers.Worker | None) -> int:
+        """The launcher's exit code after the last attempt ended with ``outcome`` (``failure.exit_code``)."""
+        code, said = failure.exit_code(
+            outcome,
+            first_failed,
+            self.group.workers,
+            signal_received=self.signal_received,
+            max_restarts=self.config.max_restarts,
+            summarize=self.summary,
+        )
+        if said is not None:
+            self.output.say(said)
+        return code
+
+    def run(self) -> int:
+        c = self.config
+        try:
+            user_snapshot_dir = envvars.get(environment.ENV_SNAPSHOT_DIR)  # the user's own, if set
+        except ValueError as error:
+            self.output.say(str(error))
+            return 1
+        try:
+            self.nodes.open()
+        except OSError as error:
+            self.output.say(str(error))
+            return 1
+        previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
+        try:
+            self.snapshot_dir.open(user_snapshot_dir, self.output.say)
+            if c.transport == "mpi":
+                path = self.snapshot_dir.path
+                return mpi.run_mpi(c, self.output, self.group, path, lambda: self.signal_received)
+            attempt = 0
+            while True:
+                try:
+                    outcome, first_failed = self.run_once(attempt)
+                except OSError as error:  # the coordination service could not start (its workers were stopped)
+                    self.output.say(str(error))
+                    return 1
+                if outcome == "failed" and attempt < c.max_restarts and self.signal_received is None:
+                    attempt += 1
+                    restarts = f"{attempt} of {c.max_restarts}"
+                    self.output.say(f"{self.summary(first_failed)}\nrestarting the group ({restarts})")
+                    continue
+                return self.exit_code(outcome, first_failed)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.notes.mark_teardown()
+            self.group.draining += self.spares.discard()
+            if self.services.adopt_next() is not None:  # started for a restart that did not come
+                self.services.stop(wait=False)
+            self.services.join()
+            for thread in self.group.draining:
+                thread.join(timeout=10)
+            self.group.close()
+            self.notes.remove()
+            self.snapshot_dir.close()
+            self.nodes.close()
+
+
+def launch(config: config_lib.LaunchConfig) -> int:
+    """Runs ``config``'s target as a group of processes, restarting the group on failure, until it ends.
+
+    Returns:
+      The exit code of the run: 0, ``jddp.EXIT_PREEMPTED``, the first failed process's code, or ``128 + signal``
+      (see the module docstring).
+    """
+    return Launcher(config).run()
+
+
+def main(argv: list[str] | None = None, *, prog: str = "jddp launch") -> int:
+    """``jddp launch``: parses ``argv`` (default ``sys.argv[1:]``), launches, returns the exit code.
+
+    Bad flags exit with code 2 and the message, before anything starts.
+    """
+    parser = config_lib.get_args_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        config = config_lib.config_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return launch(config)
