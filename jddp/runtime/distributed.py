@@ -119,20 +119,21 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"Environment variable {name}={raw!r} must be an integer.") from None
 
 
-def _own_stdout() -> None:
+def _own_stdout() -> bool:
     """Under ``jddp launch``: ``sys.stdout`` moves to the pipe the launcher gave Python alone, so that what C++
     writes to fd 1 (gloo's chatter, from its own threads, cut anywhere) never lands inside a printed line
-    (``jddp.cli.output``)."""
+    (``jddp.cli.output``). Returns whether it moved (the launcher then drops the chatter)."""
     fd = envvars.get(ENV_STDOUT_FD)
     os.environ.pop(ENV_STDOUT_FD, None)
     if fd is None:
-        return
+        return False
     try:
         stream = os.fdopen(fd, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", errors="replace")
     except OSError:
-        return  # not inherited (a process started by the script itself): keep fd 1
+        return False  # not inherited (a process started by the script itself): keep fd 1
     sys.stdout.flush()
     sys.stdout = stream
+    return True
 
 
 def check_joined() -> None:
@@ -284,7 +285,7 @@ def initialize(
         bind_address=bind_address,
         verbose=verbose,
     )
-    _own_stdout()
+    launched = _own_stdout()
     if _group is not None:
         return _group
     settings = _Settings.resolve(
@@ -298,6 +299,10 @@ def initialize(
         return None
     _prepare_backend(settings)
     coordinator = _join(settings, shutdown_timeout_s)
+    if not launched:
+        # srun, mpiexec, a group set by hand: no launcher drops gloo's chatter. After _join, so that the coordination
+        # service's child (process 0's) keeps the original fd 1.
+        _filter_native_stdout()
     import jax
 
     _group = ProcessGroup(coordinator, jax.process_count(), jax.process_index(), settings.peer_timeout_s)
@@ -418,7 +423,7 @@ def _from_mpi() -> tuple[str, int, int] | None:
             f"cannot be imported ({error}), so jddp cannot join the others. Install jddp's MPI extra "
             '(`pip install "jddp[mpi]"`), or start the processes with `jddp launch -n N`.'
         ) from None
-    _lines_to_mpiexec()
+    _filter_native_stdout()
     comm = MPI.COMM_WORLD
     hosts = comm.allgather(socket.gethostname())
     address = None
@@ -429,10 +434,24 @@ def _from_mpi() -> tuple[str, int, int] | None:
     return address, comm.Get_size(), comm.Get_rank()
 
 
-def _lines_to_mpiexec() -> None:
-    """Under mpiexec, which prefixes every write with the rank: Python writes whole lines (line-buffered streams),
-    and fd 1, where C++ writes gloo's chatter cut anywhere, becomes a pipe that a thread reads line by line, dropping
-    the chatter (``jddp.cli.output``); ``sys.stdout`` keeps the original fd 1."""
+_native_filtered = False  # fd 1 goes through _filter_native_stdout's thread
+
+
+def _filter_native_stdout() -> None:
+    """Drops gloo's chatter from fd 1 in a group joined without ``jddp launch`` (``srun``, ``mpiexec``, ``JDDP_*``
+    variables set by hand), where no launcher filters it.
+
+    gloo's C++ prints ``[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is :
+    1`` with ``std::cout`` (fd 1), unconditionally (no log level or variable silences it), each time it connects the
+    processes of a new set of devices: at the first collective over them, after ``initialize`` returned, so no
+    window around ``initialize`` could hold it. fd 1 therefore becomes a pipe that a thread reads line by line for
+    the life of the process, writing on every line that is not made of gloo's words alone (``jddp.lines``; its
+    "is NOT connected to" warning passes); ``sys.stdout`` keeps the original fd 1, so Python's own output never
+    waits on the thread, and both streams write whole lines (``mpiexec`` and ``srun --label`` prefix each write).
+    fd 2, where errors go, is untouched."""
+    global _native_filtered
+    if _native_filtered:
+        return
     from jddp import lines  # no JAX
 
     for stream in (sys.stdout, sys.stderr):
@@ -446,6 +465,7 @@ def _lines_to_mpiexec() -> None:
         os.close(write)
     except OSError:
         return
+    _native_filtered = True
     sys.stdout = os.fdopen(original, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", errors="replace")
 
     def forward() -> None:
