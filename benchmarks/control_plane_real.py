@@ -1,6 +1,6 @@
 """Every per-round control-plane cost with real jddp processes, beside the simulator's at the same N.
 
-    python -m benchmarks.control_plane_real [--n 2,4,8,16,32] [--reps 20] [--peer-timeout 5] [--window 5]
+    python -m benchmarks.control_plane_real [--n 2,4,8,16,32] [--reps 20] [--peer-timeout 5] [--window 10]
 
 For each N: ``jddp launch -n N --devices-per-process 1 --peer-timeout T`` of this module as the script
 (``--worker``): real processes that import JAX and join the group with ``jddp.initialize`` (gloo on CPU, the
@@ -217,7 +217,7 @@ def worker(reps: int, window_s: float) -> None:
     def quiet_barrier() -> None:
         announce, progress.ANNOUNCE = progress.ANNOUNCE, None
         try:
-            jddp.barrier("cp-quiet")
+            jddp.barrier("sim")  # the simulator's name: the same keys as its barrier, byte for byte
         finally:
             progress.ANNOUNCE = announce
 
@@ -243,7 +243,7 @@ def worker(reps: int, window_s: float) -> None:
         mine[op] = {"first": first, "times": times, **since(s1, s2, reps)}
         # the service's CPU per call, less its idle rate (watchdogs included) and the closing barrier
         net = (cpu2 - cpu1 - idle * (w1 - w0)) / reps - barrier_cpu / reps
-        if op == "barrier":
+        if op == "barrier":  # the first: the closing barrier is one more of the same
             net = (cpu2 - cpu1 - idle * (w1 - w0)) / (reps + 1)
             barrier_cpu = net
         figures[op] = {"service_cpu_ms": 1e3 * net, "first_service_cpu_ms": 1e3 * (cpu1 - cpu0), **since(s0, s1)}
@@ -418,7 +418,12 @@ COLUMNS: list[tuple[str, list[tuple[str, Getter, Getter | None]]]] = [
             ("service cpu ms", lambda r: r["barrier"]["service_cpu_ms"], lambda s: s["barrier"]["service_cpu_net_ms"]),
             ("group ms", lambda r: r["barrier"]["group_ms"], lambda s: s["barrier"]["group_ms"]),
             ("quiet req", lambda r: r["barrier_quiet"]["requests"], None),
-            ("quiet bytes", lambda r: r["barrier_quiet"]["bytes"], None),
+            ("quiet bytes", lambda r: r["barrier_quiet"]["bytes"], lambda s: s["barrier"]["bytes"]),
+            (
+                "quiet service cpu ms",
+                lambda r: r["barrier_quiet"]["service_cpu_ms"],
+                lambda s: s["barrier"]["service_cpu_net_ms"],
+            ),
             ("quiet group ms", lambda r: r["barrier_quiet"]["group_ms"], lambda s: s["barrier"]["group_ms"]),
         ],
     ),
@@ -511,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", default="2,4,8,16,32", help="process counts, comma-separated")
     parser.add_argument("--reps", type=int, default=20, help="repetitions of each call (medians)")
     parser.add_argument("--peer-timeout", type=float, default=5.0, help="the watchdog's peer timeout T (s)")
-    parser.add_argument("--window", type=float, default=5.0, help="seconds of the watchdogs' steady state")
+    parser.add_argument("--window", type=float, default=10.0, help="seconds of the watchdogs' steady state")
     parser.add_argument("--no-sim", action="store_true", help="real processes only")
     parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one jddp process (jddp launch)
