@@ -212,7 +212,8 @@ SKIPPED_COMMANDS = {
     ),
     "jddp launch --transport mpi -n 2 train.py": "needs jddp[mpi], not installed here; train.py is the user's",
     "mpiexec -n 2 python train.py": "needs mpiexec (the jddp[mpi] extra), not installed here; train.py is the user's",
-    "srun --mpi=pmi2 -n 2 python train.py": "needs SLURM (no srun on this machine); train.py is the user's",
+    "srun --mpi=pmi2 -n 2 python train.py": "needs mpi4py over SLURM's PMI2, not set up here; train.py is the user's",
+    "srun -n 2 python -m examples.mnist1d.train": "needs a SLURM cluster: tests/test_slurm.py starts one and runs it",
 }
 
 
