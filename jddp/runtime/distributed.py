@@ -16,7 +16,9 @@ in a process of its own: the launcher's, or, without one, a child that process
 0 starts (``jddp.runtime.coordinator``), so that losing process 0 is like losing
 any other. It listens on the coordinator address it is given
 (``127.0.0.1:port`` for a local run), never on every interface as JAX's default
-``[::]:port`` does. On CPU the collectives are gloo. Each process prints
+``[::]:port`` does. On CPU the collectives are gloo; without ``jddp launch``, which
+drops gloo's "[Gloo] Rank ... is connected to" lines from its workers' output,
+each process drops them from its own stdout. Each process prints
 one preflight line: its index, the process count, its local and the global
 devices, and the coordinator.
 
