@@ -11,14 +11,17 @@ per-step time of each mode, their ratio, the snapshots taken and their interval 
 pairs' ratios (run i of each mode is a pair, run side by side) with a 95% bootstrap interval, and the load average.
 
     python -m benchmarks.snapshot_cost --within [--repeats 3] [--blocks 20] [--block 200] [--snapshot-every 0]
-                                       [--budget 0]
+                                       [--budget 0] [--after 0]
 
 The runs of a pair differ by more than the cost on a shared machine (whole runs of the MLP spread by 10%). With
 ``--within`` the comparison is made inside each run instead, block by block (``worker``): the MLP under
 ``jddp launch -n 2`` with one ``Checkpointer`` (snapshots on, a disk save every ``--save-every`` steps), blocks of
 ``--block`` steps alternating between snapshots taken and not, each pair of blocks a few seconds apart. Prints per
-run the medians of each mode, the snapshots taken, their interval at the end and their own measure of their cost,
-then the median on/off ratio over every block pair with its 95% bootstrap interval.
+run the medians of each mode, the snapshots taken, their interval at the end and their own two measures of their
+cost (the threads' time, and the wall time they add to the ``AFTER`` steps after them), beside the cost per
+snapshot the blocks show (the median extra time of an on block over its off block, over the snapshots taken in on
+blocks), then the median on/off ratio over every block pair with its 95% bootstrap interval. ``--budget`` sets
+``snapshot_budget``, ``--after`` ``jddp.checkpoint.snapshot.AFTER``, to compare settings.
 """
 
 from __future__ import annotations
@@ -108,15 +111,22 @@ def worker(args) -> None:
     ]
     every = args.snapshot_every or None
     budget = {"snapshot_budget": args.budget} if args.budget else {}  # else the Checkpointer's default
+    if args.after:
+        from jddp.checkpoint import snapshot
+
+        snapshot.AFTER = args.after
     ckpt = jddp.Checkpointer(args.dir, save_every=args.save_every, snapshots=True, snapshot_every=every, **budget)
     snaps = ckpt._snapshots  # the one private handle: the same Checkpointer, its snapshots taken or not
     assert snaps is not None
     step = 0
 
+    taken_on = 0  # snapshots taken in the measured on blocks
+
     def block(mode: str) -> float:
-        nonlocal state, step
+        nonlocal state, step, taken_on
         if mode == "off":
             snaps.take = lambda *a, **k: None
+        taken = snaps.taken
         start = time.perf_counter()
         for _ in range(args.block):
             state, _ = dp.step(state, batches[step % len(batches)])
@@ -126,10 +136,12 @@ def worker(args) -> None:
         snaps.wait()
         seconds = time.perf_counter() - start
         vars(snaps).pop("take", None)
+        taken_on += snaps.taken - taken
         return seconds / args.block
 
     for _ in range(2):  # warm-up: compilation, the first snapshot's copy program, the interval settling
         block("on")
+    taken_on = 0
     times: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(args.blocks):
         for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
@@ -137,8 +149,21 @@ def worker(args) -> None:
     ckpt.close()
     if jax.process_index() == 0:
         # the snapshots' own measure of their cost (what sizes the interval), for comparison with the blocks'
-        summary = {"snapshots": snaps.taken, "every": ckpt.snapshot_every, "cost_ms": (snaps._cost_s or 0) * 1e3}
+        summary = {
+            "snapshots": snaps.taken,
+            "every": ckpt.snapshot_every,
+            "cost_ms": (snaps._cost_s or 0) * 1e3,
+            "wall_cost_ms": (snaps._wall_cost_s or 0) * 1e3,
+            "taken_on": taken_on,
+        }
         print("RESULT " + json.dumps({"times_ms": times, **summary}), flush=True)
+
+
+def block_cost(on: list[float], off: list[float], result: dict, args) -> float:
+    """Each snapshot's cost (ms of wall time) as the blocks show it: the on blocks' time over the off blocks'
+    (median per pair), spread over the snapshots taken in them."""
+    extra = statistics.median(a - b for a, b in zip(on, off, strict=True)) * args.block * len(on)
+    return extra / max(result["taken_on"], 1)
 
 
 def within(args) -> None:
@@ -154,6 +179,7 @@ def within(args) -> None:
                 sys.executable, "-m", "jddp.launch", "-n", "2", __file__, "--worker", "--dir", f"{run_dir}/ckpt",
                 "--blocks", str(args.blocks), "--block", str(args.block), "--save-every", str(args.save_every),
                 "--snapshot-every", str(args.snapshot_every), "--budget", str(args.budget),
+                "--after", str(args.after),
             ]  # fmt: skip
             done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
         found = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
@@ -168,7 +194,8 @@ def within(args) -> None:
         print(
             f"  run {r}: on {statistics.median(on):.3f} ms/step, off {statistics.median(off):.3f}, "
             f"{result['snapshots']} snapshots, every {result['every']} step(s) at the end, each "
-            f"{result['cost_ms']:.2f} ms by its own measure",
+            f"{result['cost_ms']:.2f} ms by its threads' time, {result['wall_cost_ms']:.2f} ms by the wall time of the "
+            f"steps after it; by the blocks: {block_cost(on, off, result, args):.2f} ms each",
             flush=True,
         )
     if not ratios:
@@ -191,6 +218,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=200, help="--within: steps per block")
     parser.add_argument("--snapshot-every", type=int, default=0, help="--within: fixed interval (0: by their cost)")
     parser.add_argument("--budget", type=float, default=0.0, help="--within: snapshot_budget (0: the default)")
+    parser.add_argument("--after", type=int, default=0, help="--within: snapshot.AFTER (0: jddp's)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -441,6 +441,10 @@ class Checkpointer:
         more or less often than the others meets their all-gather at another
         point or never, and the group hangs until the peer timeout.
 
+        Once a minute it also hands the heap's free pages back to the system
+        (``jddp.runtime.memory``: a long run that saves often otherwise grows
+        under ``jddp launch``'s allocator settings).
+
         Returns:
           True if a checkpoint was started at this step.
 
