@@ -120,10 +120,12 @@ def test_srun_trains_as_jddp_launch_stops_on_scancel_at_one_step_and_resumes_bit
 
     ckpt = f"checkpoint_dir={tmp_path / 'ckpt'}"
     first = srun(cluster, f"log_dir={tmp_path / 'first'}", ckpt, "save_every=100000")
-    wait_for_step(first, tmp_path / "first", SIGNAL_AT)
-    cancelled = cluster.run("scancel", "--signal=TERM", job_id(cluster))
+    try:
+        wait_for_step(first, tmp_path / "first", SIGNAL_AT)
+        cancelled = cluster.run("scancel", "--signal=TERM", job_id(cluster))
+    finally:
+        first_output = finish(first)
     assert cancelled.returncode == 0, cancelled.stderr
-    first_output = finish(first)
     assert first.returncode == exitcodes.EXIT_PREEMPTED, first_output[-5000:]
     for task in (0, 1):
         assert f"task {task}: Exited with exit code {exitcodes.EXIT_PREEMPTED}" in first_output, first_output[-5000:]
