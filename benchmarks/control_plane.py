@@ -56,6 +56,11 @@ read; the watchdogs' rounds fall behind their interval, and a round later than h
 nobody (the watchdog's ``starved`` rule), so detection needs ``--observers`` and a longer ``--peer-timeout``
 there. JAX's own client heartbeat (``--service-heartbeat``; by default the peer timeout + 15 s, as jddp sets it)
 can be missed too, and then the service aborts every client (measured on a 2-core VM at N = 1024, 26 Nov 2026).
+The clients of one worker share one connection to the service (gRPC shares a channel's connection between
+channels to one address in a process): the service serves ``--workers`` connections, where N real processes make
+N, and its CPU per request is lower than theirs (``service_sockets``; ``benchmarks/control_plane_real.py``
+measures both: at N = 32 the real service's CPU per round or call was 1.4 to 1.7 times this simulator's with 4
+workers, and within a quarter of it with 32 workers, one connection each).
 """
 
 from __future__ import annotations
@@ -411,6 +416,15 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def sockets(pid: int) -> int:
+    """The sockets a process holds open (its listening one and one per connection; /proc/<pid>/fd)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return count
+
+
 def loadavg() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
@@ -560,6 +574,7 @@ def measure(
         spans = [t for a in group.all("connect") for t in a["times"]]
         result["start_s"] = time.monotonic() - t0  # the service and the workers started, the clients made
         result["join_s"] = max(e for _, e in spans) - min(s for s, _ in spans)  # connect(): first call to last return
+        result["service_sockets"] = sockets(group.service.pid)
         pid = group.service.pid
         # The service's CPU with every client connected and idle (their own heartbeats to it): taken off below
         cpu0, w0 = cpu_s(pid), time.monotonic()

@@ -42,16 +42,40 @@ squares) of each. The gloo agreements have no simulated figure (the simulator ha
 exact per call (the same at every repetition); CPU times are totals over the repetitions divided by their number
 (the kernel counts them in 10 ms ticks); latencies are medians.
 
-Where real and simulated differ, and why (2-core VM, N = 2 and 4, 26 Nov 2026, load 15 from other work):
+``--sim-workers``: the simulator's OS processes (4 by default, as its own default). The clients of one process
+share one connection to the service (gRPC shares a connection between channels to one address in a process:
+``service sockets``, the service's open sockets, its listening one included); N real processes make N.
 
-* the barrier's and the all-gather's requests: 3 and 5 per process real against 2 and 4 simulated (1.5 and 1.25
-  times): ``jddp.barrier`` and ``jddp.host_all_gather`` are collective calls (``progress.collective_call``) that
-  publish this process's heartbeat value at once as they begin (``Watchdog.announce``, a ``key_value_set``), a
-  call the simulator's ``SimProcess.barrier`` and ``all_gather`` leave out; the barrier's bytes are 3.7 times the
-  simulator's for the same reason (the heartbeat value with its collective calls' names, about 150 bytes).
-  ``barrier_quiet`` makes the simulator's calls: its requests and bytes are the simulator's;
-* the watchdog round's requests match (2N + 1 calls) and its bytes within 10% (the real values carry the
-  collective calls' names).
+Where real and simulated differ, and why (2-core VM, 26 Nov 2026, ``--reps 20 --peer-timeout 5 --window 10``, a
+noisy machine: load 8 to 14 from other work; N = 2, 4, 8 from 15:32 to 15:36 UTC, N = 32 from 15:36 to 15:38):
+
+* the barrier's and the all-gather's requests, 3 and 5 a process real against 2 and 4 simulated (1.5 and 1.25
+  times), and their bytes (3.7 times the simulator's for the barrier, 1.1 to 1.8 for the all-gather): both are
+  collective calls (``progress.collective_call``) that publish this process's heartbeat value as they begin
+  (``Watchdog.announce``, a ``key_value_set`` of the value with the names of the last collective calls, about 150
+  bytes), a call the simulator's ``SimProcess.barrier`` and ``all_gather`` leave out. ``barrier_quiet``, the
+  barrier without it, makes the simulator's calls under its keys: its requests and bytes are the simulator's
+  exactly (ratio 1.00 at every N). The announce is also most of the barrier's extra latency at N = 2 to 8: 1.5 to
+  2.8 times the simulator's group time with it, 0.96 to 1.45 without (one more round trip, through the watchdog's
+  key-value thread, before the barrier's own calls);
+* the service's CPU per round or call, and the latencies, at N = 32: 1.4 to 1.7 times the simulator's CPU (the
+  watchdog round 30.4 ms against 18; the quiet barrier 13.4 ms against 9.5), 2.2 to 2.8 times its group times
+  (the quiet barrier 47 ms against 17, the all-gather 107 against 48). Not the protocol (the same calls and
+  bytes) but the connections: the simulator's 32 clients in 4 processes reach the service over 4 connections,
+  the real processes over 32. The simulator with 32 workers, one client each (``control_plane.measure(32,
+  workers=32)``, 15:40 to 15:45 UTC, load 18 to 34) gave the real figures within a quarter: the watchdog round
+  28.5 ms of service CPU (real 30.4), the barrier 15.9 ms and 55 ms of group time (real, quiet: 13.4 and 47), the
+  all-gather 30.6 ms and 84 ms (real 32.3 and 107); with 4 workers in the same minutes 20, 9.8 and 19 ms, 19.1
+  and 45 ms. At N = 2 to 8 the CPU ratios are 0.6 to 1.8 (a few ms a call, counted in 10 ms ticks);
+* the watchdog round's requests are the same (2N + 1), its bytes 1.1 times the simulator's (the real
+  values carry the names of the collective calls made), its pace 0.95 to 1.0 times;
+* the Checkpointer's gloo agreements ask nothing of the service through jddp's client (0 requests a call) and
+  cost it nothing measurable per call; their first call (the program's compilation and gloo's connections, whose
+  rendezvous goes through the service's key-value store from C++: every process publishes its addresses and
+  reads every peer's, N(N - 1) reads at least) took 10, 30, 50 and 540 ms of the service's CPU at N = 2, 4, 8
+  and 32 (slope 1.7 from 8 to 32), once per run and set of devices;
+* failure detection: real and simulated within 6% of each other, every survivor naming the stopped process 4.8
+  to 5.5 s after the stop at T = 5 s (bound T + 10 s).
 """
 
 from __future__ import annotations
@@ -206,6 +230,7 @@ def worker(reps: int, window_s: float) -> None:
     mine["watchdog"] = {**since(c0, c1, rounds), "rounds_per_s": rounds / (t1 - t0)}
     idle = (cpu1 - cpu0) / (t1 - t0)
     figures["idle_cpu_per_s"] = idle
+    figures["service_sockets"] = control_plane.sockets(service) if service is not None else 0
 
     agreement = preemption.Preemption(check_s=0.0)
     step = [0]
@@ -262,7 +287,7 @@ def worker(reps: int, window_s: float) -> None:
 def combine(raw: dict[str, Any]) -> dict[str, Any]:
     """Process 0's line: the group's figures per call and per round."""
     procs = raw["processes"]
-    out: dict[str, Any] = {"n": raw["n"], "idle_cpu_per_s": raw["figures"]["idle_cpu_per_s"]}
+    out: dict[str, Any] = {"n": raw["n"], **{k: raw["figures"][k] for k in ("idle_cpu_per_s", "service_sockets")}}
     wd = [p["watchdog"] for p in procs]
     rounds_per_s = statistics.median(w["rounds_per_s"] for w in wd)
     out["watchdog"] = {
@@ -379,11 +404,12 @@ def real(num_processes: int, reps: int, peer_timeout_s: float, window_s: float) 
     return result
 
 
-def simulated(num_processes: int, reps: int, peer_timeout_s: float, window_s: float) -> dict[str, Any]:
+def simulated(num_processes: int, reps: int, peer_timeout_s: float, window_s: float, workers: int) -> dict[str, Any]:
     """The simulator's figures at the same settings (heartbeat values of a process before any step, as the real
-    ones, which make no step)."""
+    ones, which make no step), its N clients in ``workers`` processes."""
     r = control_plane.measure(
         num_processes,
+        workers=workers,
         reps=reps,
         peer_timeout_s=peer_timeout_s,
         warmup_s=window_s,
@@ -408,6 +434,7 @@ COLUMNS: list[tuple[str, list[tuple[str, Getter, Getter | None]]]] = [
                 lambda s: 1e3 * s["detection"]["service_cpu_per_s"] / s["detection"]["rounds_per_s"],
             ),
             ("rounds/s", lambda r: r["watchdog"]["rounds_per_s"], lambda s: s["detection"]["rounds_per_s"]),
+            ("service sockets", lambda r: r["service_sockets"], lambda s: s["service_sockets"]),
         ],
     ),
     (
@@ -518,12 +545,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peer-timeout", type=float, default=5.0, help="the watchdog's peer timeout T (s)")
     parser.add_argument("--window", type=float, default=10.0, help="seconds of the watchdogs' steady state")
     parser.add_argument("--no-sim", action="store_true", help="real processes only")
+    parser.add_argument(
+        "--sim-workers",
+        type=int,
+        default=4,
+        help="the simulator's OS processes (its --workers; as many as N: one connection to the service per client, "
+        "as real processes make)",
+    )
     parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one jddp process (jddp launch)
     args = parser.parse_args(argv)
     validate.check_int("--reps", args.reps, minimum=1)
     validate.check_number("--peer-timeout", args.peer_timeout, unit="seconds")
     validate.check_number("--window", args.window, unit="seconds")
+    validate.check_int("--sim-workers", args.sim_workers, minimum=1)
     if args.worker:
         worker(args.reps, args.window)
         return 0
@@ -531,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in control_plane.parse_counts(args.n):
         row: dict[str, Any] = {"n": n, "real": real(n, args.reps, args.peer_timeout, args.window)}
         print(f"N={n} real: {json.dumps(row['real'])}", file=sys.stderr, flush=True)
-        row["sim"] = {} if args.no_sim else simulated(n, args.reps, args.peer_timeout, args.window)
+        row["sim"] = {} if args.no_sim else simulated(n, args.reps, args.peer_timeout, args.window, args.sim_workers)
         rows.append(row)
         if args.json:
             with open(args.json, "w") as f:
