@@ -87,7 +87,8 @@ def worker(args) -> None:
     devices: no loader, so the step is as short as it gets and the snapshots' share as large), ``DataParallel`` and
     a ``Checkpointer`` with snapshots on, ``maybe_save`` every step; blocks of ``--block`` steps alternate (ABBA)
     between snapshots on and off. Off, the snapshot's ``take`` does nothing (the interval is still proposed and
-    agreed, the disk saves are the same); an on block ends once its last snapshot is written."""
+    agreed, the disk saves are the same); an on block ends once its last snapshot is written. ``--model lm``: the
+    LM example's model and optimizer instead (``lm_worker_setup``), batches from its loader."""
     import jax
     import optax
 
@@ -96,19 +97,22 @@ def worker(args) -> None:
 
     jddp.initialize(verbose=False)
     mesh = jddp.data_mesh()
+    if args.model == "lm":
+        dp, state, batches = lm_worker_setup(mesh)
+    else:
 
-    def loss_fn(params, model_state, batch, rng):
-        return models.mean_loss("mlp", params, batch), (model_state, {})
+        def loss_fn(params, model_state, batch, rng):
+            return models.mean_loss("mlp", params, batch), (model_state, {})
 
-    dp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=mesh)
-    state = dp.init(models.init_params("mlp"), rng=0)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    rows = 128 // jax.process_count()
-    mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
-    batches = [
-        {k: jax.make_array_from_process_local_data(sharding, v[mine], v.shape) for k, v in b.items()}
-        for b in models.synthetic_batches(8, 128)
-    ]
+        dp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=mesh)
+        state = dp.init(models.init_params("mlp"), rng=0)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        rows = 128 // jax.process_count()
+        mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+        batches = [
+            {k: jax.make_array_from_process_local_data(sharding, v[mine], v.shape) for k, v in b.items()}
+            for b in models.synthetic_batches(8, 128)
+        ]
     every = args.snapshot_every or None
     budget = {"snapshot_budget": args.budget} if args.budget else {}  # else the Checkpointer's default
     if args.after:
@@ -159,6 +163,34 @@ def worker(args) -> None:
         print("RESULT " + json.dumps({"times_ms": times, **summary}), flush=True)
 
 
+def lm_worker_setup(mesh):
+    """The LM example's model, optimizer and ``DataParallel`` (``examples/lm/train.py``, its default config), and 8
+    of its training batches from its loader, staged on the devices."""
+    import itertools
+
+    import jax
+    import optax
+
+    import jddp
+    from examples.lm import data as data_lib
+    from examples.lm import train as lm
+    from jddp import models
+
+    config = lm.Config()
+    graphdef, params, model_state = lm.make_model(config)
+    dp = jddp.DataParallel(
+        models.nnx_loss(graphdef, lambda m, batch, rng: lm.language_model_metrics(lm.forward(m, batch), batch)),
+        optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
+        mesh=mesh,
+        clip_grad_norm=config.clip_grad_norm,
+    )
+    state = dp.init(params, model_state, rng=config.seed)
+    corpus = data_lib.load(config.seq_len, test_modulus=config.test_modulus)
+    loader = jddp.data.DataLoader(corpus["train"], global_batch_size=config.global_batch_size, seed=config.seed)
+    batches = [jax.block_until_ready(b) for b in itertools.islice(iter(loader), 8)]
+    return dp, state, batches
+
+
 def block_cost(on: list[float], off: list[float], result: dict, args) -> float:
     """Each snapshot's cost (ms of wall time) as the blocks show it: the on blocks' time over the off blocks'
     (median per pair), spread over the snapshots taken in them."""
@@ -169,7 +201,7 @@ def block_cost(on: list[float], off: list[float], result: dict, args) -> float:
 def within(args) -> None:
     """Runs ``worker`` under ``jddp launch -n 2`` ``--repeats`` times and prints on/off per block pair."""
     ratios, on_ms, off_ms = [], [], []
-    print(f"snapshot cost within runs: {args.repeats} runs x {args.blocks} block pairs x {args.block} steps, "
+    print(f"snapshot cost within runs ({args.model}): {args.repeats} runs x {args.blocks} block pairs x {args.block} steps, "
           f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
     for r in range(args.repeats):
         with tempfile.TemporaryDirectory() as run_dir:
@@ -179,7 +211,7 @@ def within(args) -> None:
                 sys.executable, "-m", "jddp.launch", "-n", "2", __file__, "--worker", "--dir", f"{run_dir}/ckpt",
                 "--blocks", str(args.blocks), "--block", str(args.block), "--save-every", str(args.save_every),
                 "--snapshot-every", str(args.snapshot_every), "--budget", str(args.budget),
-                "--after", str(args.after),
+                "--after", str(args.after), "--model", args.model,
             ]  # fmt: skip
             done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
         found = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
@@ -213,12 +245,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="mlp,lm")
     parser.add_argument("--save-every", type=int, default=50)
-    parser.add_argument("--within", action="store_true", help="on and off in blocks inside each run (the MLP only)")
+    parser.add_argument("--within", action="store_true", help="on and off in blocks inside each run")
     parser.add_argument("--blocks", type=int, default=20, help="--within: block pairs per run")
     parser.add_argument("--block", type=int, default=200, help="--within: steps per block")
     parser.add_argument("--snapshot-every", type=int, default=0, help="--within: fixed interval (0: by their cost)")
     parser.add_argument("--budget", type=float, default=0.0, help="--within: snapshot_budget (0: the default)")
     parser.add_argument("--after", type=int, default=0, help="--within: snapshot.AFTER (0: jddp's)")
+    parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="--within: the model")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
