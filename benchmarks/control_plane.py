@@ -210,17 +210,27 @@ class SimProcess:
         values, _, _ = watchdog._entries(self.client.key_value_dir_get(watchdog.ALIVE_PREFIX))
         self.last_entries = values
 
+    def announce(self) -> None:
+        """What a collective call does first (``progress.collective_call``): the watchdog publishes this process's
+        heartbeat value at once (``Watchdog.announce``)."""
+        from jddp.runtime import progress, watchdog
+
+        value = watchdog._value(progress.publish(self.counter, False))
+        self.client.key_value_set(f"{watchdog.ALIVE_PREFIX}{self.process_id}", value, allow_overwrite=True)
+
     def barrier(self, timeout_s: float = 300.0) -> None:
-        """jddp.barrier's calls (jddp/runtime/distributed.py, barrier)."""
+        """jddp.barrier's calls (jddp/runtime/distributed.py, barrier), its announce first."""
+        self.announce()
         self.barrier_count += 1
         barrier_id = f"jddp/barrier/sim/{self.barrier_count}"
         self.client.key_value_set(f"{barrier_id}/{self.process_id}", "1", allow_overwrite=True)
         self.client.wait_at_barrier(barrier_id, int(timeout_s * 1000))
 
     def all_gather(self, value: Any = None, timeout_s: float = 300.0) -> list[Any]:
-        """jddp.host_all_gather's calls (jddp/runtime/host.py, _exchange), with its payload."""
+        """jddp.host_all_gather's calls (jddp/runtime/host.py, _exchange), with its payload, its announce first."""
         from jddp.runtime import host
 
+        self.announce()
         self.host_calls += 1
         call = f"{host._PREFIX}/{self.host_calls}"
         data = host._payload("host_all_gather", SMALL_VALUE if value is None else value, True)
