@@ -22,6 +22,9 @@ process makes, through a proxy that counts every call and the bytes of its keys 
 * ``all_gather``: ``jddp.host_all_gather``'s calls (``jddp/runtime/host.py``, ``_exchange``) of a small dict:
   ``key_value_set_bytes`` of the payload ``host._payload`` makes, ``wait_at_barrier``,
   ``key_value_dir_get_bytes``, ``key_value_delete`` of the previous call's key;
+* ``restart``: the whole group's control plane restarted, as ``jddp launch``'s next attempt does it: every
+  client leaves (JAX's shutdown), the service ends, a new one starts on a new port and N new clients join it
+  (``Group.restart``: the seconds of each part; ``rejoin s`` in the table is the join alone);
 * ``detection``: jddp's own ``Watchdog`` thread per simulated process (driven with the simulated client, its
   exit replaced by a record of when and what it found), at ``--peer-timeout``; after ``--warmup`` s one
   simulated process stops its watchdog (no more heartbeats: a frozen or killed process), and the time until each
@@ -296,19 +299,22 @@ class Worker:
     """The simulated processes one OS process hosts, one thread each, run together on each command."""
 
     def __init__(self, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int, at_step: int = 0):
-        from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]  # jax.distributed.initialize's client
-
         if at_step:
             mid_training(at_step)
-        self.address, self.num_processes = address, num_processes
+        self.address, self.num_processes, self.ids, self.heartbeat_s = address, num_processes, ids, heartbeat_s
+        self._make_clients(address)
+        self.watchdogs: list[Any] = []
+
+    def _make_clients(self, address: str) -> None:
+        from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
+
         self.clients = [
             _jax.get_distributed_runtime_client(
-                address, i, init_timeout=600, heartbeat_timeout=heartbeat_s, use_compression=True
+                address, i, init_timeout=600, heartbeat_timeout=self.heartbeat_s, use_compression=True
             )
-            for i in ids
+            for i in self.ids
         ]
-        self.sims = [SimProcess(i, num_processes, c) for i, c in zip(ids, self.clients, strict=True)]
-        self.watchdogs: list[Any] = []
+        self.sims = [SimProcess(i, self.num_processes, c) for i, c in zip(self.ids, self.clients, strict=True)]
 
     def _together(self, fn) -> list[Any]:
         """``fn(sim)`` on every simulated process at once (a thread each); each one's (start, end, result)."""
@@ -393,6 +399,19 @@ class Worker:
         self._together(lambda sim: sim.client.shutdown())
         return {}
 
+    def disconnect(self) -> dict[str, Any]:
+        """Every client leaves the group (``shutdown``: JAX's shutdown barrier), the worker stays (``rejoin``)."""
+        times = self._together(lambda sim: sim.client.shutdown())
+        return {"times": [(s, e) for s, e, _ in times]}
+
+    def rejoin(self, address: str) -> dict[str, Any]:
+        """New clients for the same processes, joined to the service at ``address`` (a restarted group's)."""
+        start = time.monotonic()
+        self._make_clients(address)
+        made = time.monotonic()
+        times = self._together(lambda sim: sim.client.connect())
+        return {"made_s": made - start, "times": [(s, e) for s, e, _ in times]}
+
 
 def serve(connection, address: str, ids: Sequence[int], num_processes: int, heartbeat_s: int, at_step: int) -> None:
     """A worker's loop: a command (a method of ``Worker`` and its arguments) in, its result out."""
@@ -468,25 +487,13 @@ class Group:
     ):
         """``inprocess``: the workers are threads of this process (for tests; pass ``at_step=0`` there, since they
         would share this process's progress)."""
-        from jddp.runtime import coordinator, distributed
+        from jddp.runtime import distributed
 
         self.n = num_processes
-        self.address = f"127.0.0.1:{free_port()}"
         # JAX's own heartbeat timeout (each client to the service): as jddp.initialize sets it, unless given
         heartbeat_s = service_heartbeat_s or int(peer_timeout_s + distributed.HEARTBEAT_MARGIN_S)
-        argv = [self.address, str(num_processes), str(heartbeat_s), "5"]  # jddp.runtime.coordinator's USAGE
-        self.service = subprocess.Popen(
-            [sys.executable, "-u", "-m", "jddp.runtime.coordinator", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
-        assert self.service.stdout is not None
-        line = self.service.stdout.readline().decode()
-        if not line.startswith(coordinator.READY):
-            self.service.kill()
-            self.service.wait()
-            self.service.stdout.close()
-            raise RuntimeError(f"the coordination service did not start: {line!r}")
+        self.heartbeat_s = heartbeat_s
+        self.start_service()
         workers = min(workers, num_processes)
         self.ids = [list(range(w, num_processes, workers)) for w in range(workers)]
         self.connections = []
@@ -507,6 +514,59 @@ class Group:
             if "error" in answer:
                 self.close()
                 raise RuntimeError(f"a worker did not start: {answer['error']}")
+
+    def start_service(self) -> None:
+        """The coordination service on a new port, as ``jddp launch`` starts it (``python -m
+        jddp.runtime.coordinator``); returns once it listens."""
+        from jddp.runtime import coordinator
+
+        self.address = f"127.0.0.1:{free_port()}"
+        argv = [self.address, str(self.n), str(self.heartbeat_s), "5"]  # jddp.runtime.coordinator's USAGE
+        self.service = subprocess.Popen(
+            [sys.executable, "-u", "-m", "jddp.runtime.coordinator", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert self.service.stdout is not None
+        line = self.service.stdout.readline().decode()
+        if not line.startswith(coordinator.READY):
+            self.service.kill()
+            self.service.wait()
+            self.service.stdout.close()
+            raise RuntimeError(f"the coordination service did not start: {line!r}")
+
+    def stop_service(self) -> None:
+        if self.service.stdout is not None:
+            self.service.stdout.close()
+        if self.service.poll() is None:
+            self.service.terminate()
+            try:
+                self.service.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
+
+    def restart(self) -> dict[str, Any]:
+        """The whole group's control plane restarted: every client leaves, the service ends, a new one starts on a
+        new port (``jddp launch``'s next attempt) and N new clients join it. Seconds of each part."""
+        t0 = time.monotonic()
+        self.all("disconnect")
+        t1 = time.monotonic()
+        self.stop_service()
+        t2 = time.monotonic()
+        self.start_service()
+        t3 = time.monotonic()
+        answers = self.all("rejoin", self.address)
+        t4 = time.monotonic()
+        spans = [t for a in answers for t in a["times"]]
+        return {
+            "restart_s": t4 - t0,
+            "leave_s": t1 - t0,
+            "service_stop_s": t2 - t1,
+            "service_start_s": t3 - t2,
+            "rejoin_s": t4 - t3,
+            "join_s": max(e for _, e in spans) - min(s for s, _ in spans),
+            "clients_made_s": max(a["made_s"] for a in answers),
+        }
 
     def all(self, name: str, *args) -> list[dict[str, Any]]:
         """Runs ``Worker.<name>(*args)`` on every worker at once; their answers."""
@@ -535,14 +595,7 @@ class Group:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-        if self.service.stdout is not None:
-            self.service.stdout.close()
-        if self.service.poll() is None:
-            self.service.terminate()
-            try:
-                self.service.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.service.kill()
+        self.stop_service()
 
 
 def measure(
@@ -559,6 +612,7 @@ def measure(
     ops: Sequence[str] = OPS,
     at_step: int = AT_STEP,
     idle_s: float = 2.0,
+    restart: bool = True,
 ) -> dict[str, Any]:
     """Every figure at one N (see the module docstring); the raw numbers as a dict."""
     validate.check_int("num_processes", num_processes, minimum=2)
@@ -614,6 +668,9 @@ def measure(
                 "by_call": {k: v / reps for k, v in total["by_call"].items()},
             }
             print(f"N={num_processes} {op}: {json.dumps(result[op])}", file=sys.stderr, flush=True)
+        if restart:
+            result["restart"] = group.restart()
+            print(f"N={num_processes} restart: {json.dumps(result['restart'])}", file=sys.stderr, flush=True)
         if detection:
             if observers is not None and observers >= num_processes - 1:
                 observers = None  # every survivor observes
@@ -753,6 +810,8 @@ def _children(pid: int) -> list[int]:
 def table(results: Sequence[dict[str, Any]]) -> str:
     columns = [
         ("join s", lambda r: r["join_s"]),
+        ("restart s", lambda r: r["restart"]["restart_s"]),
+        ("rejoin s", lambda r: r["restart"]["join_s"]),
         ("hb req", lambda r: r["heartbeat"]["requests"]),
         ("hb values", lambda r: r["heartbeat"]["values"]),
         ("hb bytes", lambda r: r["heartbeat"]["bytes"]),

@@ -89,13 +89,19 @@ def test_detection_names_the_stopped_process(group):
     assert found["rounds_per_s"] > 0
 
 
-def test_detection_names_the_aggregator_when_it_stops():
+def test_detection_names_the_aggregator_when_it_stops_after_a_restart():
     # process 0 reads every heartbeat and publishes the summary the others act on: when it stops, its summary
     # stops moving, and every other watchdog names it as it would any silent peer (a group of its own: the one
     # above keeps the marks of its stopped process)
+    # (restarted first, as a whole group's control plane after a failure: every client leaves, a new service on a
+    # new port, new clients join it; the detection below then runs on the new group alone: the old service ended)
     g = control_plane.Group(4, 2, 1.0, inprocess=True, at_step=0)
     try:
         g.all("connect")
+        old_service, old_address = g.service, g.address
+        restart = g.restart()
+        assert old_service.poll() is not None and g.address != old_address
+        assert restart["restart_s"] >= restart["service_start_s"] + restart["rejoin_s"] > 0
         found = control_plane.detect(g, 1.0, 0.5, victim=0)
     finally:
         g.close()
