@@ -669,7 +669,11 @@ def measure(
             }
             print(f"N={num_processes} {op}: {json.dumps(result[op])}", file=sys.stderr, flush=True)
         if restart:
-            result["restart"] = group.restart()
+            try:
+                result["restart"] = group.restart()
+            except Exception as error:  # the figures above stay; the detection below needs the group: none
+                result["restart_error"] = repr(error)
+                detection = False
             print(f"N={num_processes} restart: {json.dumps(result['restart'])}", file=sys.stderr, flush=True)
         if detection:
             if observers is not None and observers >= num_processes - 1:
