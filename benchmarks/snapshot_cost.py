@@ -201,8 +201,8 @@ def block_cost(on: list[float], off: list[float], result: dict, args) -> float:
 def within(args) -> None:
     """Runs ``worker`` under ``jddp launch -n 2`` ``--repeats`` times and prints on/off per block pair."""
     ratios, on_ms, off_ms = [], [], []
-    print(f"snapshot cost within runs ({args.model}): {args.repeats} runs x {args.blocks} block pairs x {args.block} steps, "
-          f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    print(f"snapshot cost within runs ({args.model}): {args.repeats} runs x {args.blocks} block pairs x "
+          f"{args.block} steps, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
     for r in range(args.repeats):
         with tempfile.TemporaryDirectory() as run_dir:
             env = {**os.environ, "PYTHONPATH": str(ROOT), "JDDP_SNAPSHOT_DIR": str(Path(run_dir) / "memory")}
