@@ -16,11 +16,9 @@ it can); ``unshare`` refused; the daemons not ready in time (quoting the end of 
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -32,9 +30,10 @@ import pytest
 
 from jddp import net
 
-BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sinfo", "scancel", "squeue", "unshare", "pgrep")
+BINARIES = (
+    "munged", "mungekey", "slurmctld", "slurmd", "srun", "sinfo", "scancel", "squeue", "unshare", "setpriv", "pgrep"
+)  # fmt: skip
 READY_TIMEOUT_S = 60.0
-PR_SET_PDEATHSIG = 1
 SCHEDULER_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")  # variables of a cluster pytest itself may run under
 
 # The namespace's first process: munged, then (once its socket exists) slurmctld and slurmd; when any of them ends,
@@ -158,11 +157,6 @@ def first_job_id() -> int:
     return 1 + 1024 * quarter + 10 * (os.getpid() % 100)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the namespace ends when the test process does, even when it is SIGKILLed."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def start(root: Path) -> Cluster:
     """Writes the key and slurm.conf into ``root``, starts the daemons and waits until the node is idle.
 
@@ -187,14 +181,17 @@ def start(root: Path) -> Cluster:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCHEDULER_PREFIXES)}  # pytest's own cluster's
     env.update(SLURM_CONF=str(root / "slurm.conf"), PATH=f"{os.environ.get('PATH', '')}:/usr/sbin")
     with open(root / "unshare.log", "w") as log:
+        # The namespace ends when the test process does, even when it is SIGKILLed: setpriv sets the parent-death
+        # signal and execs unshare (a preexec_fn would fork this process, where JAX warns at every fork: an error
+        # under pytest's filterwarnings, raised in whichever test runs next).
         namespace = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "bash", "-c", START, "-", str(root), node],
+            ["setpriv", "--pdeathsig", "KILL", "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+             "bash", "-c", START, "-", str(root), node],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=log,
-            preexec_fn=_die_with_parent,
-        )
+        )  # fmt: skip
     cluster = Cluster(root, node, env, namespace)
     deadline = time.monotonic() + READY_TIMEOUT_S
     state = ""
