@@ -7,9 +7,13 @@ Definitions:
   ``shuffle=False``);
 * *global batch* ``b`` of an epoch: entries ``[b*B, (b+1)*B)`` of its order,
   ``B = global_batch_size``;
+* *slots*: the global batch is laid out in ``P = padded_batch_size >= B``
+  slots (``P = B`` unless set; ``jddp.data.DataLoader`` sets it so that every
+  device and micro-batch takes the same number of rows); entry ``s < B`` of
+  the global batch sits in slot ``s``, slots ``[B, P)`` are padding;
 * *replica* ``r`` of ``R = num_replicas`` (PyTorch's rank and world size; in
-  jddp a replica is a process) reads the contiguous slice
-  ``[r*B/R, (r+1)*B/R)`` of every global batch: the rows that
+  jddp a replica is a process) reads the contiguous slots
+  ``[r*P/R, (r+1)*P/R)`` of every global batch: the rows that
   ``jax.make_array_from_process_local_data`` places on its devices;
 * *position*: global batches consumed since the start; the epoch is
   ``position // len(sampler)``.
@@ -17,16 +21,19 @@ Definitions:
 Guarantees:
 
 * the sequence of global batches depends on ``(dataset_size, seed, shuffle,
-  drop_last, global_batch_size)`` only, never on ``num_replicas``;
+  drop_last, global_batch_size)`` only, never on ``num_replicas``, nor on
+  ``padded_batch_size``, which moves no real example from its slot;
 * slices of one global batch are disjoint, and within an epoch every example
   appears exactly once (``drop_last=False``) or at most once
   (``drop_last=True``, the remainder dropped);
 * with ``drop_last=False`` the last global batch is filled up with padding
   entries whose mask is 0 (they repeat valid indices so they can be read);
+  so are the slots past ``B``;
 * the epoch follows from the position, so an order never repeats because
   ``set_epoch`` was forgotten;
 * ``state_dict()`` is a small JSON-able dict; ``load_state_dict`` accepts it
-  on any ``num_replicas`` and continues the same global sequence.
+  on any ``num_replicas`` and continues the same global sequence (and on any
+  ``padded_batch_size``: it is not part of the state).
 
 Provenance: every global batch follows from the settings and its position,
 so nothing needs logging to say which examples a past step trained on. A run
@@ -59,9 +66,9 @@ class LocalBatch:
     Attributes:
       position: the global batch's position (since the start of training).
       epoch: its epoch.
-      indices: ``int64[B/R]`` dataset indices to read.
-      mask: ``float32[B/R]``, 1 for real examples, 0 for padding.
-      order: ``int64[B/R]`` each entry's place in the epoch's global order
+      indices: ``int64[P/R]`` dataset indices to read.
+      mask: ``float32[P/R]``, 1 for real examples, 0 for padding.
+      order: ``int64[P/R]`` each entry's place in the epoch's global order
         (seeds per-example randomness independently of ``num_replicas``).
     """
 
@@ -78,22 +85,28 @@ class DistributedBatchSampler:
     Args:
       dataset_size: number of examples, at least 1.
       global_batch_size: examples per global batch, over all replicas.
-      num_replicas: number of readers (processes); divides ``global_batch_size``.
+      num_replicas: number of readers (processes); divides ``padded_batch_size``.
       rank: this reader's index, ``0 <= rank < num_replicas``.
       shuffle: draw a new global order every epoch.
       seed: seeds the orders; the same seed gives the same sequence.
       drop_last: drop the incomplete last batch (``True``) or pad it with
         masked entries (``False``).
+      padded_batch_size: slots per global batch, at least ``global_batch_size``
+        (None: equal to it); the slots past ``global_batch_size`` are padding
+        (mask 0). It changes the rows read, never which examples form a batch.
 
     Raises:
       ValueError: for an empty dataset, a batch that the replicas cannot split,
-        a rank out of range, or a dataset smaller than one batch with
-        ``drop_last=True``.
+        a rank out of range, a padded size below the batch size, or a dataset
+        smaller than one batch with ``drop_last=True``.
 
     Example:
       >>> s = DistributedBatchSampler(10, global_batch_size=4, num_replicas=2, rank=1, shuffle=False, drop_last=False)
       >>> len(s), [b.indices.tolist() for b in s], [b.mask.tolist() for b in s][-1]
       (3, [[2, 3], [6, 7], [0, 1]], [0.0, 0.0])
+      >>> p = DistributedBatchSampler(10, global_batch_size=3, num_replicas=2, shuffle=False, padded_batch_size=4)
+      >>> [(b.indices.tolist(), b.mask.tolist()) for b in p][:2]
+      [([0, 1], [1.0, 1.0]), ([3, 4], [1.0, 1.0])]
     """
 
     def __init__(
@@ -106,20 +119,29 @@ class DistributedBatchSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        padded_batch_size: int | None = None,
     ):
         _check_int("dataset_size", dataset_size, 1, "the dataset is empty; give it at least one example")
         _check_int("global_batch_size", global_batch_size, 1, "use a positive batch size")
+        if padded_batch_size is None:
+            padded_batch_size = global_batch_size
+        _check_int(
+            "padded_batch_size",
+            padded_batch_size,
+            global_batch_size,
+            f"it is the global batch's {global_batch_size} entries plus padding slots, or None for no padding",
+        )
         _check_int("num_replicas", num_replicas, 1, "use at least one replica")
         _check_int("seed", seed, 0, "use a non-negative seed")
         _check_int("rank", rank, 0, "ranks count from 0")
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(value, bool | np.bool_):
                 raise TypeError(f"`{name}` must be True or False, got {name}={value!r}.")
-        if global_batch_size % num_replicas:
+        if padded_batch_size % num_replicas:
+            name = "global_batch_size" if padded_batch_size == global_batch_size else "padded_batch_size"
             raise ValueError(
-                f"`global_batch_size` must be divisible by `num_replicas` (processes), got "
-                f"global_batch_size={global_batch_size}, num_replicas={num_replicas}; use a multiple of "
-                f"{num_replicas}."
+                f"`{name}` must be divisible by `num_replicas` (processes), got "
+                f"{name}={padded_batch_size}, num_replicas={num_replicas}; use a multiple of {num_replicas}."
             )
         if not 0 <= rank < num_replicas:
             raise ValueError(f"`rank` must be in [0, num_replicas), got rank={rank}, num_replicas={num_replicas}.")
@@ -130,9 +152,10 @@ class DistributedBatchSampler:
                 "smaller batch or drop_last=False (the batch is then padded with masked entries)."
             )
         self.dataset_size, self.global_batch_size = dataset_size, global_batch_size
+        self.padded_batch_size = padded_batch_size  # slots per global batch: entries, then padding
         self.num_replicas, self.rank = num_replicas, rank
         self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
-        self.local_batch_size = global_batch_size // num_replicas
+        self.local_batch_size = padded_batch_size // num_replicas
         self.position = 0
         self.skipped: list[tuple[int, int]] = []  # ranges [start, stop) of positions skipped, in order
         self._order_cache: tuple[int, np.ndarray] | None = None
@@ -203,9 +226,10 @@ class DistributedBatchSampler:
         return self._order_cache[1]
 
     def global_batch(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(indices, mask, order)`` of the global batch at ``position``, all replicas."""
+        """``(indices, mask, order)`` of the global batch at ``position``, all replicas: its
+        ``padded_batch_size`` slots."""
         _check_int("position", position, 0, "positions count from 0")
-        return tuple(a[0] for a in self._block(position, 1, 0, self.global_batch_size))
+        return tuple(a[0] for a in self._block(position, 1, 0, self.padded_batch_size))
 
     def local_batch(self, position: int) -> LocalBatch:
         """This replica's slice of the global batch at ``position``."""
@@ -217,7 +241,7 @@ class DistributedBatchSampler:
         """This replica's slices of ``count`` consecutive global batches of one epoch, in one go.
 
         Returns:
-          ``(indices, mask, order)``, each ``[count, B/R]``: row ``j`` is
+          ``(indices, mask, order)``, each ``[count, P/R]``: row ``j`` is
           ``local_batch(position + j)``'s ``indices``, ``mask`` and ``order``.
 
         Raises:
@@ -234,9 +258,9 @@ class DistributedBatchSampler:
 
     def _block(self, position: int, count: int, lo: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         epoch, b = divmod(position, len(self))
-        starts = (b + np.arange(count, dtype=np.int64)) * self.global_batch_size + lo
-        places = starts[:, None] + np.arange(width, dtype=np.int64)
-        valid = places < self.dataset_size
+        slots = lo + np.arange(width, dtype=np.int64)  # slots [B, P) are padding
+        places = ((b + np.arange(count, dtype=np.int64)) * self.global_batch_size)[:, None] + slots
+        valid = (places < self.dataset_size) & (slots < self.global_batch_size)
         mask = valid.astype(np.float32)
         if not valid.all():
             places = np.where(valid, places, places % self.dataset_size)  # padding re-reads valid entries
