@@ -318,6 +318,35 @@ def _global_batch_size(global_batch_size: Any, per_device_batch_size: Any, devic
     return int(per_device_batch_size) * devices
 
 
+def split_batch(global_batch_size: int, devices: int, max_per_device: int | None) -> tuple[int, int]:
+    """``(accumulate_steps, padded_batch_size)`` for ``global_batch_size`` examples on ``devices`` devices that
+    take at most ``max_per_device`` rows per micro-batch (None: no limit, no padding).
+
+    Example:
+      >>> split_batch(256, 3, 32), split_batch(256, 4, 32), split_batch(256, 4, None)
+      ((3, 261), (2, 256), (1, 256))
+    """
+    if max_per_device is None:
+        return 1, int(global_batch_size)
+    global_batch_size, max_per_device = int(global_batch_size), int(max_per_device)
+    k = -(-global_batch_size // (devices * max_per_device))
+    micro = -(-global_batch_size // (devices * k))
+    return k, devices * k * micro
+
+
+def check_accumulate_steps(loader: DataLoader, accumulate_steps: int) -> None:
+    """Raises unless a loader built with ``max_per_device_batch_size`` and the ``DataParallel`` (whose
+    ``accumulate_steps`` is given) agree on the micro-batches: once, before a step (``jddp.fit``)."""
+    if loader.max_per_device_batch_size is not None and loader.accumulate_steps != accumulate_steps:
+        raise ValueError(
+            f"The DataLoader splits each step into accumulate_steps={loader.accumulate_steps} micro-batches "
+            f"(max_per_device_batch_size={loader.max_per_device_batch_size} rows on "
+            f"{loader.padded_batch_size // loader.per_device_batch_size} devices), but the DataParallel has "
+            f"accumulate_steps={accumulate_steps}. Build it with DataParallel(..., "
+            "accumulate_steps=loader.accumulate_steps)."
+        )
+
+
 class DataLoader:
     """Global batches for ``DataParallel.step``, each process reading only its slice.
 
@@ -325,9 +354,10 @@ class DataLoader:
     invariant, see ``jddp.data.sampler``); Grain runs the reads and transforms,
     in worker processes if asked, and prefetches; each yielded batch is a
     mapping of the source's keys plus ``"mask"`` (0 for padding) to global
-    arrays with leading axis of size ``global_batch_size``, sharded over
-    ``"data"``: a ``jddp.runtime.packing.PackedBatch``, one byte array on the devices
-    that ``DataParallel`` unpacks inside its step.
+    arrays with leading axis of size ``padded_batch_size`` (``global_batch_size``
+    unless ``max_per_device_batch_size`` pads it), sharded over ``"data"``: a
+    ``jddp.runtime.packing.PackedBatch``, one byte array on the devices that
+    ``DataParallel`` unpacks inside its step.
 
     Iterating gives the batches from the current position to the end of its
     epoch, as iterating a PyTorch ``DataLoader`` does; iterate again for the
@@ -346,12 +376,25 @@ class DataLoader:
       source: a dict of equally long arrays, one array (yielded as ``"x"``), or
         any random-access source with ``len`` and ``[i]`` (a Grain data source).
       global_batch_size: examples per step over all processes; divisible by the
-        number of devices of ``mesh``.
+        number of devices of ``mesh``, unless ``max_per_device_batch_size`` is set.
       per_device_batch_size: instead of ``global_batch_size`` (exactly one of
         the two): examples per device and step, PyTorch DDP's ``batch_size``;
         the global batch size is ``per_device_batch_size`` x the devices of
         ``mesh`` (``jax.device_count()`` for ``jddp.data_mesh()``). Both are
-        attributes of the loader.
+        attributes of the loader; the attribute ``per_device_batch_size`` is
+        the rows each device takes per step (``padded_batch_size`` / devices,
+        padding included, over all its micro-batches).
+      max_per_device_batch_size: the most rows a device takes in one
+        micro-batch, for a global batch that must stay the same on any number
+        of devices (an elastic run). The loader then sets
+        ``accumulate_steps = ceil(B / (D * max))`` for ``B`` examples on ``D``
+        devices, micro-batches of ``m = ceil(B / (D * accumulate_steps))``
+        rows, and pads each global batch to ``padded_batch_size = D *
+        accumulate_steps * m`` rows (the extra rows masked; the real examples
+        keep their places). Pass
+        ``DataParallel(..., accumulate_steps=loader.accumulate_steps)``. None:
+        no padding, ``accumulate_steps`` is 1 (choose your own in
+        ``DataParallel``).
       mesh: where batches go; ``jddp.data_mesh()`` when None.
       shuffle, seed, drop_last: as for ``DistributedBatchSampler``.
       transform: ``transform(example, rng) -> example`` per example; ``rng`` is
@@ -368,7 +411,8 @@ class DataLoader:
         live until ``close()`` or until the loader is garbage collected.
 
     Raises:
-      ValueError: for an empty source or a batch the devices cannot split.
+      ValueError: for an empty source, or a batch the devices cannot split
+        without ``max_per_device_batch_size``.
 
     Example:
       >>> import numpy as np, jddp
@@ -384,6 +428,7 @@ class DataLoader:
         *,
         global_batch_size: int | None = None,
         per_device_batch_size: int | None = None,
+        max_per_device_batch_size: int | None = None,
         mesh: Mesh | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -405,11 +450,20 @@ class DataLoader:
             )
         devices = mesh.devices.size
         global_batch_size = _global_batch_size(global_batch_size, per_device_batch_size, devices)
-        if isinstance(global_batch_size, int) and global_batch_size % devices:
+        validate.check_int(
+            "max_per_device_batch_size",
+            max_per_device_batch_size,
+            optional=True,
+            fix="It is the most rows a device takes in one micro-batch; None for no limit.",
+        )
+        if max_per_device_batch_size is None and isinstance(global_batch_size, int) and global_batch_size % devices:
             raise ValueError(
                 f"`global_batch_size` must be divisible by the number of devices (processes x local "
                 f"devices), got global_batch_size={global_batch_size}, processes={jax.process_count()}, "
-                f"devices={devices}. Use a multiple of {devices}."
+                f"devices={devices}. Use a multiple of {devices}, or, for a global batch that must stay the same "
+                "on any number of devices, pass `max_per_device_batch_size` (the most rows a device takes in one "
+                "micro-batch): the loader then pads the batch with masked rows and sets `loader.accumulate_steps` "
+                "for DataParallel."
             )
         validate.check_int("worker_count", worker_count, minimum=0)
         validate.check_int("prefetch", prefetch, minimum=0)
@@ -422,6 +476,7 @@ class DataLoader:
             if fn is not None and not callable(fn):
                 raise TypeError(f"`{name}` must be a function {form}, or None, got {name}={fn!r:.80}.")
         validate.check_int("global_batch_size", global_batch_size)
+        accumulate_steps, padded = split_batch(global_batch_size, devices, max_per_device_batch_size)
         if drop_last and size < global_batch_size:
             raise ValueError(
                 f"`source` is smaller than one global batch with `drop_last=True`: dataset_size={size}, "
@@ -437,10 +492,14 @@ class DataLoader:
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            padded_batch_size=padded,
         )
         self.source, self.mesh = source, mesh
-        self.global_batch_size: int = self.sampler.global_batch_size  # examples per step, all devices together
-        self.per_device_batch_size: int = self.global_batch_size // devices  # examples per device and step
+        self.global_batch_size: int = self.sampler.global_batch_size  # real examples per step, all devices together
+        self.padded_batch_size: int = padded  # rows per step (the arrays' leading axis): examples, then padding
+        self.per_device_batch_size: int = padded // devices  # rows per device and step, over its micro-batches
+        self.max_per_device_batch_size = max_per_device_batch_size
+        self.accumulate_steps: int = accumulate_steps  # for DataParallel(accumulate_steps=...)
         self.worker_count, self.prefetch = worker_count, prefetch
         self._read = _ReadBatch(source, self.sampler, transform, batch_transform)
         if transform is None and batch_transform is None:  # what the devices will get, said now, not at a step
@@ -448,7 +507,7 @@ class DataLoader:
             narrowed = {k: (v.dtype, _canonical(k, v[:1]).dtype) for k, v in fields.items() if k != "mask"}
             _say_narrowed({k: f"{a} -> {b}" for k, (a, b) in narrowed.items() if a != b})
         self._sharding = runtime.batch_sharding(mesh)
-        self._transfer = packing.Transfer(self._sharding, global_batch_size)
+        self._transfer = packing.Transfer(self._sharding, padded)
         # The stream sits in a box that a finalizer closes when the loader goes
         # away or at exit, before the interpreter tears down what Grain's own
         # cleanup needs.
@@ -591,6 +650,7 @@ class DataLoader:
         mine = {
             "dataset size": s.dataset_size,
             "global_batch_size": s.global_batch_size,
+            "padded_batch_size": s.padded_batch_size,
             "seed": s.seed,
             "shuffle": s.shuffle,
             "drop_last": s.drop_last,
@@ -665,7 +725,7 @@ class DataLoader:
         if set(rows.values()) != {self.sampler.local_batch_size}:
             raise ValueError(
                 f"`local` must hold this process's {self.sampler.local_batch_size} rows in every array "
-                f"(global_batch_size={self.global_batch_size} over {self.sampler.num_replicas} process(es)), got "
+                f"(padded_batch_size={self.padded_batch_size} over {self.sampler.num_replicas} process(es)), got "
                 f"rows {rows}."
             )
         return arrays
