@@ -167,6 +167,23 @@ def _layout(tree) -> _Layout:
     return _Layout(leaves, shards, picks, whole)
 
 
+class _Clock:
+    """Times a snapshot's phases into ``record`` (phase: [(seconds of wall time, of this thread's time)]), when
+    given (``Snapshots.phases``: ``benchmarks/snapshot_profile.py``); else does nothing."""
+
+    def __init__(self, record: dict[str, list[tuple[float, float]]] | None) -> None:
+        self.record = record
+        if record is not None:
+            self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def __call__(self, phase: str) -> None:
+        if self.record is None:
+            return
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self.record.setdefault(phase, []).append((wall - self.wall, cpu - self.cpu))
+        self.wall, self.cpu = wall, cpu
+
+
 @dataclasses.dataclass
 class _Pending:
     step: int
@@ -207,6 +224,7 @@ class Snapshots:
         self.failed = 0
         self.seconds = 0.0
         self.closed = False
+        self.phases: dict[str, list[tuple[float, float]]] | None = None  # set: each snapshot's phases timed
 
     # -------------------------------------------------------------- the interval
     def note_step(self, step: int) -> None:
@@ -258,11 +276,14 @@ class Snapshots:
         dispatched. The previous snapshot's write is awaited first (one at a time). ``extra_state``: JSON, or a
         function the writer calls for it."""
         start = time.perf_counter()
+        clock = _Clock(self.phases)
         waited = self._join()
+        clock("join")
         signature = (jax.tree.structure(tree), tuple(x.sharding for x in jax.tree.leaves(tree)))
         layout = self._layouts.get(signature)
         if layout is None:
             layout = self._layouts[signature] = _layout(tree)
+        clock("signature")
         if layout.whole and self.local_rank:
             return
         # its wall cost is measured over the next AFTER steps (not the first's: it compiles the copy program)
@@ -275,7 +296,9 @@ class Snapshots:
                 x = leaves[i]
                 data = x.addressable_data(position) if len(x.sharding.device_set) > 1 else x
                 parts.append(jax.random.key_data(data) if jnp.issubdtype(data.dtype, jax.dtypes.prng_key) else data)
+            clock("shards")
             buffers.append(_pack(parts))
+            clock("dispatch")
         header = {
             "format": FORMAT,
             "step": step,
@@ -289,6 +312,7 @@ class Snapshots:
             "extra": extra_state,
         }
         main_s = time.perf_counter() - start - waited
+        clock("header")
         self._pending = self._writer.submit(self._write, _Pending(step, buffers, header), main_s + waited)
 
     def _join(self) -> float:
@@ -313,14 +337,19 @@ class Snapshots:
 
     def _write(self, pending: _Pending, main_s: float) -> None:
         cpu = time.thread_time()
+        clock = _Clock(self.phases)
         hosts = [np.asarray(b) for b in pending.buffers]  # waits for the copies; a view, no copy, on CPU
+        clock("copy wait")
         if callable(pending.header["extra"]):  # an extra state to read now (Checkpointer.maybe_save)
             pending.header["extra"] = pending.header["extra"]()
+        clock("extra")
         crc = 0
         for h in hosts:
             crc = zlib.crc32(h.data, crc)
+        clock("crc32")
         header = dict(pending.header, crc32=crc, sizes=[int(h.nbytes) for h in hosts], time=time.time())
         text = json.dumps(header).encode()
+        clock("json")
         start = _HEADER_LENGTH.size + len(text)
         total = start + sum(h.nbytes for h in hosts)
         target = self.folder / WRITING
@@ -338,10 +367,12 @@ class Snapshots:
                 offset += h.nbytes
         finally:
             os.close(fd)
+        clock("write")
         os.replace(target, self.folder / f"{pending.step}{SUFFIX}")
         complete = self.steps()
         for old in complete[KEEP:]:
             os.replace(self.folder / f"{old}{SUFFIX}", spare)
+        clock("rename")
         self.taken += 1
         self._measured(main_s + time.thread_time() - cpu)
 
