@@ -1,7 +1,6 @@
-"""Two "hosts" on one machine: two network namespaces joined by a veth pair (10.231.0.0/24), one launcher in each.
+"""Two (and three) "hosts" on one machine: network namespaces joined by a bridge (10.231.0.0/24), one launcher in
+each (tests/netns_bed.py runs them).
 
-``tools/netns_hosts.sh sandbox`` builds them inside ``unshare --net --pid --mount --fork --kill-child``,
-so nothing outlives the test, even if it is killed. Needs root, ``unshare`` and ``ip``; skipped otherwise.
 This is the case where gloo must be told its own address: the hostname maps to
 127.0.0.1 here, and without ``jddp.initialize``'s fix the peers connect to themselves.
 """
@@ -9,63 +8,38 @@ This is the case where gloo must be told its own address: the hostname maps to
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests import models, multiprocess
+from tests import models, multiprocess, netns_bed
 from tests.workers import train_mlp
 
 pytestmark = pytest.mark.multiprocess
 
-HOSTS = multiprocess.ROOT / "tools" / "netns_hosts.sh"
 TRAIN = str(multiprocess.WORKERS / "train_mlp.py")
 COORDINATOR = "10.231.0.1:29500"  # ADDR_A of the sandbox with NET_ID=0, port 29500
-# Runs inside the sandbox, which exports NETNS_A, NETNS_B and ADDR_A. Arguments: python, log folder, worker.
-# $RESTARTS: the launchers' --max-restarts (1 if unset); 0 for a run that must not fail (no spares beside it).
+# One launcher on each of the two hosts. Arguments: the worker. $RESTARTS: the launchers' --max-restarts (1 if
+# unset); 0 for a run that must not fail (no spares beside it).
 LAUNCH = """
-python=$1 logs=$2; shift 2
 for rank in 0 1; do
-  ns=$NETNS_A; [ $rank = 1 ] && ns=$NETNS_B
-  ip netns exec "$ns" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts "${RESTARTS:-1}" \\
-    --peer-timeout 10 --nnodes 2 --node-rank $rank --coordinator "$ADDR_A:29500" "$@" > "$logs/host$rank.log" 2>&1 &
-  pids[$rank]=$!
+  host=a; [ $rank = 1 ] && host=b
+  launcher $host host$rank -n 1 --devices-per-process 2 --max-restarts "${RESTARTS:-1}" --peer-timeout 10 \\
+    --nnodes 2 --node-rank $rank --coordinator "$ADDR_A:29500" "$@"
 done
-wait "${pids[0]}"; a=$?; wait "${pids[1]}"; b=$?
-echo "launchers exited: host 0 with $a, host 1 with $b" >&2
-[ $a = 0 ] && [ $b = 0 ]
+reap host0 host1
 """
-
-
-def usable() -> bool:
-    return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("ip") is not None
 
 
 def two_hosts(tmp_path, *worker: str, script: str = LAUNCH, **env: str) -> tuple[str, str]:
     """Runs ``worker`` under ``jddp.launch`` on both hosts (``script``: how; ``env``: the workers' variables);
     returns their logs, or fails showing the sandbox's."""
-    for rank in (0, 1):
-        (tmp_path / f"host{rank}.log").unlink(missing_ok=True)
-    command = ["bash", str(HOSTS), "sandbox", "bash", "-c", script, "launch", sys.executable, str(tmp_path), *worker]
-    # A broken test bed fails at initialisation; 60 s (not 120) lets both attempts fail within the 300 s below.
-    env = multiprocess.environment(NS_PREFIX="jddpt", NET_ID="0", JDDP_INIT_TIMEOUT="60", **env)
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        outcome, stderr = f"exit {done.returncode}", done.stderr
-    except subprocess.TimeoutExpired as e:
-        outcome, stderr = "timed out after 300 s", e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-    logs = [p.read_text() if p.exists() else "(no log)" for p in (tmp_path / f"host{r}.log" for r in (0, 1))]
-    if outcome != "exit 0":
-        pytest.fail(f"sandbox {outcome}:\n{stderr}\n--- host 0 ---\n{logs[0]}\n--- host 1 ---\n{logs[1]}")
-    return logs[0], logs[1]
+    logs = netns_bed.run(tmp_path, script, *worker, env=env)
+    return logs["host0"], logs["host1"]
 
 
-@pytest.mark.skipif(not usable(), reason="needs root, unshare and ip (iproute2) to build two network namespaces")
+@netns_bed.SKIP
 def test_two_hosts_train_like_one_process_and_restart_together(tmp_path):
     """The two hosts' 2 x 2 devices train as this process does on 4 of its devices (1e-6, 20 AdamW steps)."""
     import jax
@@ -89,25 +63,18 @@ def test_two_hosts_train_like_one_process_and_restart_together(tmp_path):
 # Host 1 dies after step 11 (its launcher and its process SIGKILLed: its in-memory snapshots go with its launcher's
 # folder); a replacement host starts a new launcher there once the first is gone.
 REPLACE = """
-python=$1 logs=$2; shift 2
-launch() {
-  ip netns exec "$1" "$python" -m jddp.launch -n 1 --devices-per-process 2 --max-restarts 2 --peer-timeout 10 \\
-    --nnodes 2 --node-rank "$2" --coordinator "$ADDR_A:29500" "${@:3}"
-}
-KILL_HOST_AT=11 launch "$NETNS_A" 0 "$@" > "$logs/host0.log" 2>&1 &
-a_pid=$!
-KILL_HOST_AT=11 launch "$NETNS_B" 1 "$@" > "$logs/host1-lost.log" 2>&1 &
-wait $!
+up() { launcher "$1" "$2" -n 1 --devices-per-process 2 --max-restarts 2 --peer-timeout 10 --nnodes 2 \\
+  --node-rank "$3" --coordinator "$ADDR_A:29500" "${@:4}"; }
+KILL_HOST_AT=11 up a host0 0 "$@"
+KILL_HOST_AT=11 up b host1-lost 1 "$@"
+reap host1-lost
 echo "host 1's launcher is gone; its replacement starts" >&2
-launch "$NETNS_B" 1 "$@" > "$logs/host1.log" 2>&1
-b=$?
-wait "$a_pid"; a=$?
-echo "launchers exited: host 0 with $a, host 1's replacement with $b" >&2
-[ $a = 0 ] && [ $b = 0 ]
+up b host1 1 "$@"
+reap host1 host0
 """
 
 
-@pytest.mark.skipif(not usable(), reason="needs root, unshare and ip (iproute2) to build two network namespaces")
+@netns_bed.SKIP
 def test_a_lost_host_is_replaced_and_resumes_from_the_survivors_memory(tmp_path):
     """The replacement host holds no snapshot: the survivor's newest (step 10, or 9 if the survivor was stopped while
     writing 10) is sent to it, the run goes on from there (the disk holds 8), consumes the examples of an
@@ -128,3 +95,50 @@ def test_a_lost_host_is_replaced_and_resumes_from_the_survivors_memory(tmp_path)
         assert record["ids"] == consumed[record["step"]], record
     a, b = (dict(np.load(runs[name][0] / "final.npz")) for name in ("uninterrupted", "lost"))
     assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+# One process on each of three hosts: it records the address jddp.initialize tells gloo to advertise, gathers
+# every process's (host_all_gather: the coordination service), then sums a (3, 6) array sharded one row per
+# process (a jitted sum: gloo, host to host).
+THREE = """
+import json
+import numpy as np
+import jddp
+from jddp.runtime import jax_internals
+
+told = []
+use_gloo = jax_internals.use_gloo_with_hostname
+jax_internals.use_gloo_with_hostname = lambda hostname: (told.append(hostname), use_gloo(hostname))[1]
+group = jddp.initialize()
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jddp.data_mesh()
+row = np.random.default_rng(group.process_id).integers(-1000, 1000, size=(1, 6)).astype(np.float32)
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), row)
+total = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))(x)
+print("RESULT " + json.dumps({"advertised": jddp.host_all_gather(told), "sum": np.asarray(total).tolist()}))
+"""
+LAUNCH_THREE = """
+rank=0
+for host in a b c; do
+  launcher $host host$rank -n 1 --devices-per-process 1 --nnodes 3 --node-rank $rank --coordinator "$ADDR_A:29500" "$@"
+  rank=$((rank + 1))
+done
+reap host0 host1 host2
+"""
+
+
+@netns_bed.SKIP
+def test_three_hosts_each_advertise_their_own_address_and_sum_through_gloo(tmp_path):
+    """Three hosts joined by the bridge: each process told gloo its own host's address (10.231.0.1, .2, .3), and
+    the jitted sum of their rows, which crosses gloo between every pair, is NumPy's sum of the same rows."""
+    worker = tmp_path / "three.py"
+    worker.write_text(THREE)
+    logs = netns_bed.run(tmp_path, LAUNCH_THREE, str(worker), hosts=3, timeout=180, env={"JDDP_INIT_TIMEOUT": "30"})
+    rows = [np.random.default_rng(i).integers(-1000, 1000, size=(1, 6)).astype(np.float32) for i in range(3)]
+    want = {"advertised": [["10.231.0.1"], ["10.231.0.2"], ["10.231.0.3"]], "sum": np.concatenate(rows).sum(0).tolist()}
+    for rank in range(3):
+        log = logs[f"host{rank}"]
+        results = [json.loads(line) for line in re.findall(r"RESULT (.*)", log)]
+        assert results == [want], log
