@@ -350,3 +350,70 @@ def test_a_real_sigkill_during_writes_leaves_complete_snapshots_only(tmp_path):
             assert loader == {"position": step}
             assert int(tree["a"].min()) == int(tree["a"].max()) == step and int(tree["b"][-1]) == step
         again.close(remove=True)
+
+
+class Counted:
+    """A pytree node that counts its flattenings (an NNX state's nodes flatten in Python, slowly)."""
+
+    flattened = 0
+
+    def __init__(self, children: dict) -> None:
+        self.children = children
+
+
+def _flatten_counted(node: Counted):
+    Counted.flattened += 1
+    return (node.children,), None
+
+
+jax.tree_util.register_pytree_node(Counted, _flatten_counted, lambda _, children: Counted(children[0]))
+
+
+def test_a_snapshot_flattens_the_state_once_and_its_reused_layout_restores_every_kind_of_leaf_bitwise(tmp_path):
+    """Snapshots of one structure at three steps (the first builds the layout, the others reuse it): each later one
+    flattens the state once, and each restores bit for bit, against the arrays' own bytes, a typed PRNG key, a leaf
+    split over 2 devices, one replicated over them, one on a single device, bool and bfloat16."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def state(step: int) -> dict:
+        values = np.random.default_rng(step).normal(size=(8, 3)).astype(np.float32)
+        return {
+            "key": jax.device_put(jax.random.key(step), replicated),
+            "nested": Counted(
+                {
+                    "split": jax.device_put(values, split),
+                    "replicated": jax.device_put(values.astype(jnp.bfloat16), replicated),
+                    "flag": jax.device_put(values[:, 0] > 0, replicated),
+                }
+            ),
+            "one_device": jnp.asarray(values[0] * step),
+        }
+
+    def raw(tree: dict) -> list[bytes]:
+        leaves = jax.tree.leaves(tree)
+        return [
+            np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x).tobytes()
+            for x in leaves
+        ]
+
+    snaps = snapshot.Snapshots(tmp_path / "memory", tmp_path / "ckpt", fingerprint=None, budget=0.01, every=1)
+    flattened, written = [], {}
+    for step in (1, 2, 3):
+        tree = state(step)
+        before = Counted.flattened
+        snaps.take(step, tree, {"position": step}, None)
+        flattened.append(Counted.flattened - before)
+        snaps.wait()
+        written[step] = raw(tree)
+    assert flattened[1:] == [1, 1], flattened  # the first also builds the layout
+    assert len(snaps._layouts) == 1
+    template = state(0)
+    for step in (2, 3):
+        tree, loader, _ = snaps.load(step, template, None)
+        assert loader == {"position": step}
+        assert raw(tree) == written[step], step
+        for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(template), strict=True):
+            assert got.dtype == want.dtype and got.sharding == want.sharding
+    snaps.close(remove=True)

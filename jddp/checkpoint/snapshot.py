@@ -130,8 +130,14 @@ class _Layout:
 
     leaves: list[list]  # [path, shape, dtype, key implementation or None]
     shards: list[list]  # [leaf, index, device position, offset in its device's buffer, nbytes]
-    picks: list[list[tuple[int, int]]]  # per device: (leaf, local shard position) in buffer order
+    # per device, in buffer order: (leaf, its local shard's position, or None where the leaf is on this one device
+    # alone, and whether it is a PRNG key, whose key data is copied)
+    picks: list[list[tuple[int, int | None, bool]]]
     whole: bool  # every leaf whole (replicated): every process of the host holds the same snapshot
+    text: str = dataclasses.field(init=False)  # the header's "leaves" and "shards" as JSON, without its braces
+
+    def __post_init__(self) -> None:
+        self.text = json.dumps({"leaves": self.leaves, "shards": self.shards})[1:-1]
 
 
 def _layout(tree) -> _Layout:
@@ -150,7 +156,10 @@ def _layout(tree) -> _Layout:
         leaves.append([jax.tree_util.keystr(path), list(data_shape), str(jnp.dtype(data_dtype)), impl])
         seen = set()
         for position, shard in enumerate(x.addressable_shards):
-            index = _normal_index(shard.index, tuple(x.shape)) + tuple((0, n) for n in data_shape[x.ndim :])
+            # a PRNG key array's shard index may also cover its key data's dimensions (JAX 0.10 does): those are whole
+            index = _normal_index(tuple(shard.index)[: x.ndim], tuple(x.shape)) + tuple(
+                (0, n) for n in data_shape[x.ndim :]
+            )
             if index in seen:
                 continue
             seen.add(index)
@@ -161,7 +170,7 @@ def _layout(tree) -> _Layout:
             d = device_at[shard.device]
             nbytes = math.prod(b - a for a, b in index) * jnp.dtype(data_dtype).itemsize
             shards.append([i, [list(p) for p in index], d, offsets[d], nbytes])
-            picks[d].append((i, position))
+            picks[d].append((i, position if len(x.sharding.device_set) > 1 else None, impl is not None))
             offsets[d] += nbytes
     whole = all([list(p) for p in index] == [[0, n] for n in leaves[leaf][1]] for leaf, index, *_ in shards)
     return _Layout(leaves, shards, picks, whole)
@@ -188,7 +197,8 @@ class _Clock:
 class _Pending:
     step: int
     buffers: list[jax.Array]
-    header: dict
+    header: dict  # without the layout's part
+    layout: _Layout
 
 
 class Snapshots:
@@ -279,7 +289,9 @@ class Snapshots:
         clock = _Clock(self.phases)
         waited = self._join()
         clock("join")
-        signature = (jax.tree.structure(tree), tuple(x.sharding for x in jax.tree.leaves(tree)))
+        # flattened once: a state of many NNX variables takes most of a snapshot's main-thread time to flatten
+        leaves, treedef = jax.tree.flatten(tree)
+        signature = (treedef, tuple(x.sharding for x in leaves))
         layout = self._layouts.get(signature)
         if layout is None:
             layout = self._layouts[signature] = _layout(tree)
@@ -288,14 +300,12 @@ class Snapshots:
             return
         # its wall cost is measured over the next AFTER steps (not the first's: it compiles the copy program)
         self._taken_at, self._added_s = (None if self._first else step), 0.0
-        leaves = jax.tree.leaves(tree)
         buffers = []
         for picks in layout.picks:
             parts = []
-            for i, position in picks:
-                x = leaves[i]
-                data = x.addressable_data(position) if len(x.sharding.device_set) > 1 else x
-                parts.append(jax.random.key_data(data) if jnp.issubdtype(data.dtype, jax.dtypes.prng_key) else data)
+            for i, position, key in picks:
+                data = leaves[i] if position is None else leaves[i].addressable_data(position)
+                parts.append(jax.random.key_data(data) if key else data)
             clock("shards")
             buffers.append(_pack(parts))
             clock("dispatch")
@@ -306,14 +316,12 @@ class Snapshots:
             "processes": self.processes,
             "devices": jax.device_count(),
             "fingerprint": self.fingerprint,
-            "leaves": layout.leaves,
-            "shards": layout.shards,
             "loader": loader_state,
             "extra": extra_state,
         }
         main_s = time.perf_counter() - start - waited
         clock("header")
-        self._pending = self._writer.submit(self._write, _Pending(step, buffers, header), main_s + waited)
+        self._pending = self._writer.submit(self._write, _Pending(step, buffers, header, layout), main_s + waited)
 
     def _join(self) -> float:
         """Waits for the write in flight; returns the seconds waited (a failed write only loses its snapshot)."""
@@ -348,7 +356,7 @@ class Snapshots:
             crc = zlib.crc32(h.data, crc)
         clock("crc32")
         header = dict(pending.header, crc32=crc, sizes=[int(h.nbytes) for h in hosts], time=time.time())
-        text = json.dumps(header).encode()
+        text = (json.dumps(header)[:-1] + ", " + pending.layout.text + "}").encode()  # the layout's JSON made once
         clock("json")
         start = _HEADER_LENGTH.size + len(text)
         total = start + sum(h.nbytes for h in hosts)
