@@ -224,8 +224,8 @@ MUTANTS: tuple[Mutant, ...] = (
             _p(
                 f"{STEP}._accumulate",
                 (
-                    "g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i), scale)",
-                    "g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i), scale); "
+                    "g, ms, s = self._local_grads(params, ms, mb, key if per_example else jax.random.fold_in(key, i), scale, i)",
+                    "g, ms, s = self._local_grads(params, ms, mb, key if per_example else jax.random.fold_in(key, i), scale, i); "
                     "g = self.psum(g, DATA)",
                 ),
             ),

@@ -134,12 +134,21 @@ class DeviceStep:
         draws are then made for the global batch: ``_loss``), else this device's own."""
         return key if self.options.rng == "example" else jax.random.fold_in(key, lax.axis_index(DATA))
 
-    def _loss(self, fn, batch):
+    def _loss(self, fn, batch, micro: jax.Array | None = None):
         """``fn`` (the loss function) for this device's ``batch``, traced as under plain jit; with
         ``rng="example"``, each draw along the batch's leading axis is the one its examples get on one device
-        (``jddp.engine.rng``)."""
+        (``jddp.engine.rng``): also for micro-batch ``micro`` of ``accumulate_steps`` (None: the device's whole
+        slice), by its place in the global batch."""
         rows = leading_size(batch)
-        return rng_lib.per_example(fn, rows, rows * self.num_devices, draws=self.options.rng == "example")
+        k = 1 if micro is None else self.options.accumulate_steps
+        return rng_lib.per_example(
+            fn,
+            rows,
+            rows * k * self.num_devices,
+            draws=self.options.rng == "example",
+            accumulate_steps=k,
+            micro=0 if micro is None else micro,
+        )
 
     def _narrow(self) -> bool:
         """Whether ``reduce_dtype`` is a float of narrow range (float16: 65504), where a sum of gradients over
@@ -239,13 +248,13 @@ class DeviceStep:
         dtype = reduce.sum_dtype(*(jnp.result_type(v) for v in metrics.values()))
         return jnp.stack([jnp.asarray(v, dtype) for v in metrics.values()])
 
-    def _local_grads(self, params, model_state, batch, key, scale=None):
+    def _local_grads(self, params, model_state, batch, key, scale=None, micro=None):
         """Local gradient of the loss *total* (times the loss ``scale`` under float16 compute) and the local
-        sums."""
+        sums; ``micro``: the index of the micro-batch ``batch`` is (``_accumulate``)."""
         count = reduce.example_count(batch, leading_size(batch))
 
         def objective(params):
-            loss_fn = self._loss(self.loss_fn, batch)
+            loss_fn = self._loss(self.loss_fn, batch, micro)
             # compute_dtype: the float params and batch arrays cast for the forward and backward pass; the cast's
             # transpose gives the gradient back in the parameters' own dtype.
             p, b = (params, batch) if self.options.compute_dtype is None else self._cast((params, batch))
@@ -261,17 +270,21 @@ class DeviceStep:
 
     def _accumulate(self, params, model_state, batch, key, scale=None):
         """Sums local gradients over micro-batches in a scan: no collective inside. The model state is carried
-        from one micro-batch to the next, as a loop over them would."""
+        from one micro-batch to the next, as a loop over them would. With ``rng="example"`` every micro-batch
+        gets the step's key, and its per-example draws are those of its rows' places in the global batch
+        (``_loss``), so that they do not depend on ``accumulate_steps`` or the device count; with
+        ``rng="device"`` the micro-batch's index is folded into the device's key."""
         k = self.options.accumulate_steps
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
         first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(self._local_grads, params, model_state, first, key, scale)
+        shapes = jax.eval_shape(self._local_grads, params, model_state, first, key, scale, 0)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[2]))
+        per_example = self.options.rng == "example"
 
         def body(carry, xs):
             grads_acc, ms, sums_acc = carry
             mb, i = xs
-            g, ms, s = self._local_grads(params, ms, mb, jax.random.fold_in(key, i), scale)
+            g, ms, s = self._local_grads(params, ms, mb, key if per_example else jax.random.fold_in(key, i), scale, i)
             add = functools.partial(jax.tree.map, jnp.add)
             return (add(grads_acc, g), ms, add(sums_acc, s)), None
 
