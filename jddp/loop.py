@@ -227,6 +227,7 @@ def _check_args(dp, state, train_loader, eval_loader, checkpointer) -> None:
             "`eval_loader` drops the last partial batch (drop_last=True), so evaluation would skip examples. "
             "Build it with `shuffle=False, drop_last=False`: the padding is masked and every example counts once."
         )
+    loader_lib.check_accumulate_steps(train_loader, dp.options.accumulate_steps)
 
 
 def _total_steps(epochs, steps, per_epoch: int) -> int:
