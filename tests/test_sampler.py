@@ -178,6 +178,75 @@ def test_local_block_equals_the_definition(case, position, data):
         np.testing.assert_array_equal(indices[j], s.local_batch(position + j).indices)
 
 
+# ------------------------------------------------------------------ padded_batch_size (DataLoader's max_per_device)
+
+
+@st.composite
+def padded_setups(draw):
+    """A setup whose batch the replicas need not divide, and a padded size ``P >= B`` that they do."""
+    batch = draw(st.integers(1, 12))
+    drop_last = draw(st.booleans())
+    setup = {
+        "dataset_size": draw(st.integers(batch if drop_last else 1, 60)),
+        "global_batch_size": batch,
+        "shuffle": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+        "drop_last": drop_last,
+    }
+    replicas = draw(st.integers(1, 6))
+    padded = replicas * draw(st.integers(-(-batch // replicas), -(-batch // replicas) + 3))
+    return setup, replicas, padded
+
+
+def padded_slices(setup: dict, replicas: int, padded: int, position: int) -> list:
+    return [
+        DistributedBatchSampler(**setup, num_replicas=replicas, rank=r, padded_batch_size=padded).local_batch(position)
+        for r in range(replicas)
+    ]
+
+
+@settings(max_examples=80, deadline=None)
+@given(padded_setups(), st.integers(0, 30))
+def test_padding_keeps_each_real_example_in_its_slot_on_any_replica_count(case, position):
+    setup, replicas, padded = case
+    plain = DistributedBatchSampler(**setup).local_batch(position)  # one replica, P = B
+    slices = padded_slices(setup, replicas, padded, position)
+    assert all(len(b.indices) == padded // replicas for b in slices)
+    indices, mask = np.concatenate([b.indices for b in slices]), np.concatenate([b.mask for b in slices])
+    batch = setup["global_batch_size"]
+    assert not mask[batch:].any()  # the slots past B are padding
+    # Slot = place: the real entries are P = B's, in the same slots, and the real examples are disjoint.
+    np.testing.assert_array_equal(mask[:batch], plain.mask)
+    np.testing.assert_array_equal(indices[:batch][plain.mask == 1], plain.indices[plain.mask == 1])
+    real = indices[mask == 1]
+    assert len(np.unique(real)) == len(real)
+    assert np.all((indices >= 0) & (indices < setup["dataset_size"]))  # padding re-reads valid indices
+    sampler = DistributedBatchSampler(**setup, num_replicas=replicas, padded_batch_size=padded)
+    np.testing.assert_array_equal(sampler.global_batch(position)[0], indices)
+    np.testing.assert_array_equal(sampler.examples_at(position), plain.indices[plain.mask == 1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(padded_setups(), padded_setups(), st.integers(0, 30))
+def test_a_state_saved_on_any_replicas_and_padding_resumes_on_any_other(case, other, stop):
+    setup, replicas, padded = case
+    _, new_replicas, new_padded = other
+    new_padded = max(new_padded, new_replicas * -(-setup["global_batch_size"] // new_replicas))
+    old = DistributedBatchSampler(**setup, num_replicas=replicas, rank=replicas - 1, padded_batch_size=padded)
+    old.position = stop
+    state = json.loads(json.dumps(old.state_dict()))
+    assert "padded_batch_size" not in state  # the state is the same as without padding
+    assert state == {**DistributedBatchSampler(**setup).state_dict(), "position": stop, "epoch": old.epoch}
+    new = DistributedBatchSampler(**setup, num_replicas=new_replicas, rank=0, padded_batch_size=new_padded)
+    new.load_state_dict(state)
+    assert new.position == stop
+    for position in (stop, stop + 1):
+        got = padded_slices(setup, new_replicas, new_padded, position)
+        mask = np.concatenate([b.mask for b in got])
+        want = DistributedBatchSampler(**setup).local_batch(position)
+        np.testing.assert_array_equal(np.concatenate([b.indices for b in got])[mask == 1], want.indices[want.mask == 1])
+
+
 def test_local_block_must_stay_inside_one_epoch():
     s = DistributedBatchSampler(100, global_batch_size=10)
     with pytest.raises(ValueError, match=r"inside one epoch of 10 batches, got position=17, count=4"):
@@ -192,8 +261,16 @@ def test_local_block_must_stay_inside_one_epoch():
         ({"dataset_size": 3, "global_batch_size": 4}, r"dataset_size=3, global_batch_size=4.*drop_last=False"),
         ({"dataset_size": 10, "global_batch_size": 4, "num_replicas": 2, "rank": 2}, r"rank=2, num_replicas=2"),
         ({"dataset_size": 10, "global_batch_size": 0}, r"global_batch_size=0"),
+        (
+            {"dataset_size": 10, "global_batch_size": 6, "padded_batch_size": 5},
+            r"`padded_batch_size` must be an int >= 6, got padded_batch_size=5. It is the global batch's 6 entries",
+        ),
+        (
+            {"dataset_size": 10, "global_batch_size": 6, "num_replicas": 4, "padded_batch_size": 7},
+            r"`padded_batch_size` must be divisible by `num_replicas` .* padded_batch_size=7, num_replicas=4",
+        ),
     ],
-    ids=["empty", "indivisible", "smaller-than-batch", "rank", "zero-batch"],
+    ids=["empty", "indivisible", "smaller-than-batch", "rank", "zero-batch", "padded-small", "padded-indivisible"],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
