@@ -1,7 +1,7 @@
 """Where an in-memory snapshot's time goes (``jddp.checkpoint.snapshot``), phase by phase, for the MNIST-1D MLP and
 the LM example side by side.
 
-    python -m benchmarks.snapshot_profile [--models mlp,lm] [--snapshots 40] [--every 4]
+    python -m benchmarks.snapshot_profile [--models mlp,lm] [--snapshots 40] [--every 10]
 
 Each model trains under ``jddp launch -n 2`` (the MLP with batches staged on the devices, the LM example with 8 of
 its loader's batches staged; ``benchmarks/snapshot_cost.py``'s workers), one ``Checkpointer`` with a snapshot every
@@ -11,9 +11,10 @@ signature and layout, the choice of the local shards, the copy program's dispatc
 thread (``_write``) the wait for the copy, the CRC-32, the header's JSON, the write and the renames. Prints per
 phase the median wall time and thread time (ms) of ``--snapshots`` snapshots taken in the training loop (steps in
 flight: the cores shared with the step and the other process), then of as many taken with the devices idle (the
-loop's last state, nothing in flight), and each snapshot's own measure of its cost (the main thread's wall time
-plus the writer's thread time: what sizes the snapshot interval), with the state's leaves and bytes, and the load
-average.
+loop's last state, nothing in flight); per snapshot the main thread's phases summed (wall time) and the writer's
+(thread time); and the median and mean of each snapshot's own measure of its cost (the main thread's wall time,
+the wait for the previous write included, plus the writer's thread time: what sizes the snapshot interval; its
+mean shows the snapshots whose main thread lost its core), with the state's leaves and bytes, and the load average.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default="mlp,lm")
     parser.add_argument("--snapshots", type=int, default=40, help="snapshots timed, in the loop and then alone")
-    parser.add_argument("--every", type=int, default=4, help="steps between snapshots in the loop")
+    # fewer steps apart, a snapshot waits for the previous one's write: its copy runs after the steps in flight
+    parser.add_argument("--every", type=int, default=10, help="steps between snapshots in the loop")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help=argparse.SUPPRESS)
@@ -180,6 +182,8 @@ def main() -> None:
             print(f"    {name:<20}{cells}")
         costs = "".join(f"{statistics.median(r[setting]['costs']) * 1e3:>36.3f}" for r in results.values())
         print(f"    {'cost measure':<20}{costs}")
+        means = "".join(f"{statistics.mean(r[setting]['costs']) * 1e3:>36.3f}" for r in results.values())
+        print(f"    {'  its mean':<20}{means}")
 
 
 if __name__ == "__main__":

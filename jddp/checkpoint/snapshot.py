@@ -22,18 +22,20 @@ each distinct shard of a split one), as bytes.
 
 The cost: at a snapshot step, the main thread dispatches one program per local device that copies the shards into
 one byte buffer (a copy no later step can donate), and hands it to a writer thread, which waits for it, takes its
-CRC-32 and writes it to the file. The snapshot interval adapts to what this costs: ``Snapshots.proposal`` is the
-number of steps between snapshots that keeps the measured time within ``budget`` of the step time; the processes
-agree on the largest proposal at their preemption exchanges (``jddp.checkpoint.preemption``), so that they all
-take snapshots at the same steps. A snapshot's cost is the larger of two measures: the time it takes of the main
-and writer threads, and what it adds to the wall time of the ``AFTER`` steps that follow it, over the time of
-steps further from any snapshot (``Snapshots.note_step``). The second is what the run pays: the copy program and
-the writer also take cores that the step's own threads, or another process of the host, would use (the MNIST-1D
-MLP under ``jddp launch -n 2`` on 2 cores: 2.5 to 3.9 ms by the first, 6.7 to 9.2 ms by the second;
-``benchmarks/snapshot_cost.py --within``). The main thread runs steps ahead of the devices (``max_inflight``), so
-the steps its clock sees slowed come up to 5 after the snapshot: ``AFTER`` is 6 (over 3 steps the second measure
-saw a quarter of the cost, and the snapshots took 2.3% of the step time at a budget of 1%). A step's time
-disturbed by a disk save (``disturbed``) counts in neither.
+CRC-32 and writes it to the file. The main thread flattens the state once per snapshot (an NNX state's flattening
+runs in Python, per variable); which shards go where, and the header's JSON of it, are worked out once per state
+structure and shardings (``benchmarks/snapshot_profile.py`` times each phase). The snapshot interval adapts to what
+this costs: ``Snapshots.proposal`` is the number of steps between snapshots that keeps the measured time within
+``budget`` of the step time; the processes agree on the largest proposal at their preemption exchanges
+(``jddp.checkpoint.preemption``), so that they all take snapshots at the same steps. A snapshot's cost is the larger
+of two measures: the time it takes of the main and writer threads, and what it adds to the wall time of the
+``AFTER`` steps that follow it, over the time of steps further from any snapshot (``Snapshots.note_step``). The
+second is what the run pays: the copy program and the writer also take cores that the step's own threads, or another
+process of the host, would use (the MNIST-1D MLP under ``jddp launch -n 2`` on 2 cores: 2.5 to 3.9 ms by the first,
+6.7 to 9.2 ms by the second; ``benchmarks/snapshot_cost.py --within``). The main thread runs steps ahead of the
+devices (``max_inflight``), so the steps its clock sees slowed come up to 5 after the snapshot: ``AFTER`` is 6 (over
+3 steps the second measure saw a quarter of the cost, and the snapshots took 2.3% of the step time at a budget of
+1%). A step's time disturbed by a disk save (``disturbed``) counts in neither.
 """
 
 from __future__ import annotations
