@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 import optax
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import jddp
 from jddp.data import loader as loader_lib
@@ -464,3 +468,41 @@ def test_steps_converts_epochs_to_the_steps_every_setting_counts():
             loader.steps(epochs=bad)
     with pytest.raises(ValueError, match=r"less than one step of this loader \(10 steps per epoch\)"):
         loader.steps(epochs=0.01)
+
+
+# ------------------------------------------------------------- max_per_device_batch_size (the same batch anywhere)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 40), st.integers(1, 9), st.booleans())
+@example(devices=3, batch=16, limit=2, drop_last=False)  # k = 3 (2 rows would need 3 micro-batches, not 2)
+def test_max_per_device_pads_to_the_fewest_micro_batches_and_keeps_the_examples(devices, batch, limit, drop_last):
+    mesh = jddp.data_mesh(jax.devices()[:devices])
+    data = source(45)
+    kwargs = {"global_batch_size": batch, "seed": 2, "drop_last": drop_last, "prefetch": 0}
+    loader = jddp.data.DataLoader(data, max_per_device_batch_size=limit, mesh=mesh, **kwargs)
+    k, padded = loader.accumulate_steps, loader.padded_batch_size
+    micro = padded // (devices * k)
+    assert padded == devices * k * micro and micro <= limit and padded >= batch
+    assert k == 1 or -(-batch // (devices * (k - 1))) > limit  # no fewer micro-batches would do
+    assert micro == -(-batch // (devices * k))  # and they are as small as they can be: padding < devices * k
+    assert (loader.global_batch_size, loader.per_device_batch_size) == (batch, padded // devices)
+    plain = jddp.data.DataLoader(data, mesh=jddp.data_mesh(jax.devices()[:1]), **kwargs)
+    for a, b in zip(itertools.islice(loader, 2), itertools.islice(plain, 2), strict=True):
+        a, b = host(a), host(b)
+        assert a["x"].shape == (padded, models.IN) and not a["mask"][batch:].any()
+        np.testing.assert_array_equal(a["mask"][:batch], b["mask"])
+        np.testing.assert_array_equal(a["x"][:batch][b["mask"] == 1], b["x"][b["mask"] == 1])
+
+
+def test_an_indivisible_batch_names_max_per_device_batch_size_and_bad_limits_are_refused():
+    mesh = jddp.data_mesh(jax.devices()[:3])
+    with pytest.raises(ValueError, match=r"global_batch_size=16, .*devices=3.*pass `max_per_device_batch_size`"):
+        jddp.data.DataLoader(source(), global_batch_size=16, mesh=mesh)
+    for bad in (0, 2.5, True, "4"):
+        with pytest.raises(ValueError, match=r"`max_per_device_batch_size` must be an int >= 1 or None, got "):
+            jddp.data.DataLoader(source(), global_batch_size=16, mesh=mesh, max_per_device_batch_size=bad)
+    # per_device_batch_size with a limit: the rows a device takes per step, in limit-sized micro-batches.
+    loader = jddp.data.DataLoader(source(), per_device_batch_size=6, mesh=mesh, max_per_device_batch_size=4)
+    assert (loader.global_batch_size, loader.accumulate_steps, loader.padded_batch_size) == (18, 2, 18)
+    assert loader.per_device_batch_size == 6
