@@ -10,11 +10,15 @@ outlives the test, even if it is killed, and tests running at the same time each
 interpreter), ``$logs`` (a fresh folder, whose ``*.log`` files ``run`` returns), the test's arguments as
 ``"$@"``, and these functions:
 
+- ``netns HOST`` / ``addr HOST``: the namespace / the address of host ``HOST`` (a letter), e.g.
+  ``ip netns exec "$(netns b)" CMD`` runs ``CMD`` on host b.
 - ``launcher HOST NAME ARG...``: ``python -m jddp.launch ARG...`` inside host ``HOST`` (a letter) in the
   background, its output in ``$logs/NAME.log``, its PID in ``${pid[NAME]}``. The same ``NAME`` again (after
   ``reap NAME``) is a new launcher on that host, e.g. a host that comes back.
 - ``reap NAME...``: waits for those launchers, sets ``${code[NAME]}`` to their exit statuses, says them on
   stderr; status 0 when every one exited with 0.
+- ``wait_for NAME REGEX [SECONDS]``: waits until a line of ``$logs/NAME.log`` matches the extended regular
+  expression (``grep -E``); status 1, said on stderr, after ``SECONDS`` (120) without one.
 - ``kill_host HOST``: SIGKILLs every process inside ``HOST`` (its launcher and its workers), until none is left.
 - ``unplug HOST`` / ``plug HOST``: pulls ``HOST``'s cable / puts it back (its bridge port down / up: packets to
   and from it are dropped, no error).
@@ -40,11 +44,21 @@ SCRIPT = multiprocess.ROOT / "tools" / "netns_hosts.sh"
 PRELUDE = r"""
 python=$1 logs=$2; shift 2
 declare -A pid code
+netns() {
+  local v="NETNS_${1^^}"
+  [ -n "${!v:-}" ] || { echo "no host '$1' in this bed of $HOSTS hosts" >&2; return 2; }
+  echo "${!v}"
+}
+addr() {
+  local v="ADDR_${1^^}"
+  [ -n "${!v:-}" ] || { echo "no host '$1' in this bed of $HOSTS hosts" >&2; return 2; }
+  echo "${!v}"
+}
 launcher() {
-  local host=$1 name=$2 ns="NETNS_${1^^}"
+  local ns name=$2
+  ns=$(netns "$1") || return 2
   shift 2
-  [ -n "${!ns:-}" ] || { echo "launcher: no host '$host' in this bed of $HOSTS" >&2; return 2; }
-  ip netns exec "${!ns}" "$python" -m jddp.launch "$@" > "$logs/$name.log" 2>&1 &
+  ip netns exec "$ns" "$python" -m jddp.launch "$@" > "$logs/$name.log" 2>&1 &
   pid[$name]=$!
 }
 reap() {
@@ -55,6 +69,15 @@ reap() {
     [ "${code[$name]}" = 0 ] || status=1
   done
   return $status
+}
+wait_for() {
+  local name=$1 pattern=$2 seconds=${3:-120} i
+  for ((i = 0; i < seconds * 5; i++)); do
+    grep -Eq -- "$pattern" "$logs/$name.log" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  echo "wait_for: no line matching '$pattern' in $name.log after $seconds s" >&2
+  return 1
 }
 kill_host() { "$NETNS_HOSTS" kill "$1"; }
 unplug() { "$NETNS_HOSTS" unplug "$1"; }

@@ -142,3 +142,49 @@ def test_three_hosts_each_advertise_their_own_address_and_sum_through_gloo(tmp_p
         log = logs[f"host{rank}"]
         results = [json.loads(line) for line in re.findall(r"RESULT (.*)", log)]
         assert results == [want], log
+
+
+# A server on every host answers its letter (serve returns once it listens); `probe X Y` says what X gets from Y's:
+# the letter, or the error.
+TOOLS = """
+serve() {
+  ip netns exec "$(netns "$1")" "$python" -c '
+import socket, sys
+s = socket.create_server(("0.0.0.0", 7000))
+while True:
+    c, _ = s.accept(); c.sendall(sys.argv[1].encode()); c.close()' "$1" &
+  for _ in $(seq 100); do  # until it listens
+    ip netns exec "$(netns "$1")" bash -c "echo > /dev/tcp/127.0.0.1/7000" 2>/dev/null && return
+    sleep 0.1
+  done
+}
+probe() {
+  echo "$1->$2 $(ip netns exec "$(netns "$1")" "$python" -c '
+import socket, sys
+try:
+    with socket.create_connection((sys.argv[1], 7000), timeout=1) as s: print(s.recv(9).decode())
+except OSError as e: print(type(e).__name__)' "$(addr "$2")")"
+}
+for host in a b c; do serve $host; done
+probe a b; probe c b
+unplug b; probe a b; probe c b; probe b a; probe a c
+plug b; probe a b; probe b c
+kill_host b; [ -z "$(ip netns pids "$(netns b)")" ] && echo "b is empty"; probe a b; probe a c
+serve b; probe a b
+wait_for probes "^b is empty$" 5 && echo "wait_for found it"
+wait_for probes "^never$" 1 || echo "wait_for gave up"
+"""
+
+
+@netns_bed.SKIP
+def test_the_bed_unplugs_plugs_and_kills_a_host(tmp_path):
+    """unplug b: b and the others time out on each other, a and c still talk; plug b: back; kill_host b: nothing left
+    inside b (its server refuses), a and c untouched, and b takes a new process; wait_for finds a line, or gives up."""
+    logs = netns_bed.run(tmp_path, "{" + TOOLS + '} > "$logs/probes.log"', hosts=3, timeout=60)
+    assert logs["probes"].splitlines() == [
+        *("a->b b", "c->b b"),
+        *("a->b TimeoutError", "c->b TimeoutError", "b->a TimeoutError", "a->c c"),
+        *("a->b b", "b->c c"),
+        *("b is empty", "a->b ConnectionRefusedError", "a->c c"),
+        *("a->b b", "wait_for found it", "wait_for gave up"),
+    ], logs["probes"]
