@@ -65,3 +65,32 @@ def test_two_processes_of_four_devices_and_a_resume_on_two_by_two_train_as_one_d
     resumed = json.loads((tmp_path / "dropout-resume.json").read_text())
     assert (resumed["devices"], resumed["processes"]) == (4, 2)
     assert np.max(np.abs(np.array(first + resumed["losses"]) - one)) < 1e-5
+
+
+def test_a_draw_inside_a_scan_under_accumulation_folds_the_micro_batch_index_into_the_key():
+    """A per-example draw inside a ``lax.scan`` cannot read the micro-batch's place (a value of the engine's own
+    scan): such a micro-batch draws with its index folded into the key, for its rows over the devices, as before
+    (exact across layouts of the same device count and accumulate_steps). Checked against that computation by
+    hand on 2 devices x 2 micro-batches of 4 rows."""
+    import jax.numpy as jnp
+    import optax
+
+    def per_row(w, x, rng):
+        def body(h, t):
+            keep = jax.random.bernoulli(jax.random.fold_in(rng, t), 0.7, h.shape)
+            return jnp.where(keep, jnp.tanh(h @ w), 0.0), None
+
+        return jnp.sum(jax.lax.scan(body, x, jnp.arange(2))[0], 1)
+
+    def loss_fn(params, model_state, batch, rng):
+        return jddp.masked_mean(per_row(params["w"], batch["x"], rng), batch["mask"]), (model_state, {})
+
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(4, 4)).astype(np.float32)
+    dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(jax.devices()[:2]), accumulate_steps=2)
+    state = dp.init({"w": w}, rng=0)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0)  # the step's key, as the engine makes it
+    _, metrics = dp.step(state, {"x": x, "mask": np.ones(16, np.float32)})
+    rows = [np.r_[0:4, 8:12], np.r_[4:8, 12:16]]  # micro-batch i of devices 0 and 1, in device order
+    expected = sum(float(per_row(w, x[r], jax.random.fold_in(key, i)).sum()) for i, r in enumerate(rows)) / 16
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
