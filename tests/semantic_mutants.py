@@ -69,6 +69,7 @@ def _p(target: str, *edits: tuple[str, str]) -> Patch:
 E, G, Z = "tests/test_engine.py", "tests/test_guarantees.py", "tests/test_zero.py"
 S, L, C = "tests/test_sampler.py", "tests/test_loader.py", "tests/test_checkpoint.py"
 A, M = "tests/test_checkpoint_access.py", "tests/test_any_model.py"
+EB = "tests/test_elastic_batches.py"
 README, GLOSSARY, ENGINE = "README.md", "docs/glossary.md", "docs/guides/engine.md"
 DATA, CKPT_MD = "docs/guides/data.md", "docs/guides/checkpoints.md"
 SAMPLER, CKPT = "jddp/data/sampler.py", "jddp/checkpoint/__init__.py"
@@ -661,6 +662,106 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         (f"{G}::test_maybe_save_counts_its_own_steps",),
+    ),
+    # ------------------------------------------------------------------ the same run on any device count
+    Mutant(
+        "padded_slots_counted",
+        SAMPLER,
+        "so are the slots past ``B``",
+        "the padding slots past the global batch size get mask 1 wherever they re-read an example",
+        (
+            _p(
+                "jddp.data.sampler:DistributedBatchSampler._block",
+                (
+                    "valid = (places < self.dataset_size) & (slots < self.global_batch_size)",
+                    "valid = places < self.dataset_size",
+                ),
+            ),
+        ),
+        (
+            f"{S}::test_padding_keeps_each_real_example_in_its_slot_on_any_replica_count",
+            f"{EB}::test_mlp_trains_as_plain_sgd_on_any_device_count",
+        ),
+    ),
+    Mutant(
+        "padded_batches_strided_by_slots",
+        SAMPLER,
+        "nor on ``padded_batch_size``, which moves no real example from its slot",
+        "global batch b starts at entry b * padded_batch_size of the order: padding shifts every later batch",
+        (
+            _p(
+                "jddp.data.sampler:DistributedBatchSampler._block",
+                (
+                    "* self.global_batch_size)[:, None] + slots",
+                    "* self.padded_batch_size)[:, None] + slots",
+                ),
+            ),
+        ),
+        (f"{S}::test_padding_keeps_each_real_example_in_its_slot_on_any_replica_count",),
+    ),
+    Mutant(
+        "accumulate_steps_from_floor",
+        DATA,
+        "it sets `loader.accumulate_steps = k = ceil(B / (D * L))`",
+        "the micro-batch count rounded down, so a micro-batch takes more rows than the limit",
+        (
+            _p(
+                "jddp.data.loader:split_batch",
+                (
+                    "k = -(-global_batch_size // (devices * max_per_device))",
+                    "k = max(1, global_batch_size // (devices * max_per_device))",
+                ),
+            ),
+        ),
+        (f"{L}::test_max_per_device_pads_to_the_fewest_micro_batches_and_keeps_the_examples",),
+    ),
+    Mutant(
+        "fit_takes_other_accumulate_steps",
+        DATA,
+        "`jddp.fit` refuses other values before the first step",
+        "fit trains with a DataParallel whose accumulate_steps differ from the loader's",
+        (
+            _p(
+                "jddp.data.loader:check_accumulate_steps",
+                (
+                    "if loader.max_per_device_batch_size is not None and",
+                    "if False and",
+                ),
+            ),
+        ),
+        (f"{EB}::test_fit_refuses_a_data_parallel_with_other_accumulate_steps_before_any_step",),
+    ),
+    Mutant(
+        "micro_batch_index_folded_into_the_key",
+        ENGINE,
+        "With `accumulate_steps` every micro-batch gets the step's key and its rows' draws from the global batch's",
+        "each micro-batch draws with its index folded into the key: dropout masks depend on accumulate_steps",
+        (
+            _p(
+                f"{STEP}._accumulate",
+                ("key if per_example else jax.random.fold_in(key, i)", "jax.random.fold_in(key, i)"),
+            ),
+        ),
+        (
+            f"{EB}::test_dropout_trains_as_one_device_on_any_device_count",
+            f"{EB}::test_a_checkpoint_of_4_devices_resumes_on_3_as_the_same_run",
+        ),
+    ),
+    Mutant(
+        "micro_batch_draws_at_the_device_offset",
+        ENGINE,
+        "(micro-batch `i` of device `d` holds rows `(d * k + i) * m` on)",
+        "every micro-batch keeps the draws of its device's first micro-batch's rows",
+        (
+            _p(
+                "jddp.engine.rng:_Rewrite._draw",
+                (
+                    "(lax.axis_index(self.axis) * self.accumulate_steps + self.micro) * self.rows",
+                    "(lax.axis_index(self.axis) * self.accumulate_steps) * self.rows",
+                ),
+            ),
+        ),
+        (f"{EB}::test_dropout_trains_as_one_device_on_any_device_count",),
     ),
 )
 
