@@ -65,6 +65,8 @@ class Variable:
             return "127.0.0.1:29500"
         if self.kind == "choice":
             return self.choices[0]
+        if self.kind == "json":
+            return '{"round": 0}'
         return "/tmp/jddp"
 
 
@@ -132,6 +134,10 @@ VARIABLES: dict[str, Variable] = _declare(
         internal=True,
     ),
     Variable("JDDP_STDOUT_FD", "int", None, "the pipe for Python's stdout (jddp.cli.output)", internal=True),
+    Variable(
+        "JDDP_LAUNCHER_PID", "int", None, "the launcher whose death ends this process (PR_SET_PDEATHSIG)", internal=True
+    ),
+    Variable("JDDP_MEMBERSHIP", "json", None, "an elastic round's membership, JSON (jddp.goodput)", internal=True),
     Variable(
         "JDDP_ATTEMPT_START", "float", None, "when this attempt began", unit="time in seconds since 1970", internal=True
     ),
@@ -218,6 +224,16 @@ def _convert(variable: Variable, text: str) -> Any:
         except ValueError:
             raise _Refused("'host:port' with a port from 1 to 65535") from None
         return word
+    if kind == "json":  # an object
+        import json
+
+        try:
+            value = json.loads(word)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise _Refused("a JSON object")
+        return value
     if kind == "cache":
         lowered = word.lower()
         return True if lowered in TRUE else False if lowered in FALSE else word
@@ -291,6 +307,30 @@ def seconds(unit: str = "number of seconds") -> Callable[[str], float]:
 
     convert.__name__ = "positive number"
     convert.kind, convert.minimum = "float", 0  # type: ignore[attr-defined]  # read by tests/test_env_boundary
+    return convert
+
+
+def node_range() -> Callable[[str], tuple[int, int]]:
+    """An argparse ``type=`` for a number of nodes, ``N`` (fixed) or ``MIN:MAX`` (elastic, torchrun's syntax):
+    ``(N, N)`` or ``(MIN, MAX)``, with ``1 <= MIN <= MAX``; ``N`` alone is ``(N, N)``, ``N:N`` elastic all the same
+    (the caller tells them apart by the colon)."""
+
+    def convert(text: str) -> tuple[int, int]:
+        parts = text.split(":")
+        try:
+            if len(parts) > 2:
+                raise _Refused("N or MIN:MAX")
+            low, high = (to_int(part, 1) for part in (parts if len(parts) == 2 else parts * 2))
+        except _Refused:
+            raise argparse.ArgumentTypeError(
+                f"must be a number of nodes N, or MIN:MAX with 1 <= MIN <= MAX (elastic), got {text!r}"
+            ) from None
+        if low > high:
+            raise argparse.ArgumentTypeError(f"must be MIN:MAX with MIN <= MAX, got {text!r}")
+        return low, high
+
+    convert.__name__ = "N or MIN:MAX"
+    convert.kind, convert.minimum = "range", 1  # type: ignore[attr-defined]  # read by tests/test_env_boundary
     return convert
 
 

@@ -95,7 +95,12 @@ SLOTS = (
     "teardown_end",
     "first_step_end",
     "restored_from",
+    "processes",  # the group's processes in this attempt ($JDDP_NUM_PROCESSES; 1 alone)
+    "nodes",  # an elastic round's nodes ($JDDP_MEMBERSHIP, jddp.cli.launch.elastic); 0: a fixed membership
+    "round",  # that round's number
 )
+# Slots that older ledgers lack (written before them): read as 0, or 1 process.
+_ADDED_SLOTS = ("restored_from", "processes", "nodes", "round")
 # Where an attempt's state came from (the "restored_from" slot): jddp.Checkpointer.restored_from.
 RESTORED_FROM = ("none", "disk", "memory", "peer")
 # An attempt's account: its parts add up to its span (module docstring); the teardown comes after the span.
@@ -211,6 +216,11 @@ class Ledger:
         values["first_step"] = values["last_step"] = float(first_step)
         values["previous_end"] = math.nan if previous_end is None else previous_end
         values["restored_from"] = float(RESTORED_FROM.index(restored_from or "none"))
+        values["processes"] = float(envvars.get("JDDP_NUM_PROCESSES") or 1)
+        membership = envvars.get("JDDP_MEMBERSHIP") or {}
+        for key in ("nodes", "round"):
+            value = membership.get(key)
+            values[key] = float(value) if isinstance(value, int) and not isinstance(value, bool) else 0.0
         tmp = self.path.with_name(self.path.name + ".tmp")
         np.array([values[k] for k in SLOTS], np.float64).tofile(tmp)
         os.replace(tmp, self.path)
@@ -261,8 +271,9 @@ def read(path: Path) -> dict[str, float]:
     import numpy as np
 
     values = np.fromfile(path, dtype=np.float64)
-    if values.size == len(SLOTS) - 1:  # written before the "restored_from" slot
-        values = np.append(values, 0.0)
+    missing = len(SLOTS) - values.size
+    if 0 < missing <= len(_ADDED_SLOTS):  # written before the last slots: none restored, 1 process, fixed nodes
+        values = np.append(values, [1.0 if k == "processes" else 0.0 for k in SLOTS[values.size :]])
     if values.size != len(SLOTS):
         raise ValueError(f"{path} is not a goodput ledger of this jddp version ({values.size} slots).")
     return dict(zip(SLOTS, values.tolist(), strict=True))
@@ -370,6 +381,9 @@ def account(
         "last_step": ledger["last_step"],
         "finished": float(finished),
         "restored_from": ledger.get("restored_from", 0.0),
+        "processes": ledger.get("processes", 1.0),
+        "nodes": ledger.get("nodes", 0.0),
+        "round": ledger.get("round", 0.0),
     }
 
 
@@ -541,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             f"attempt {int(r['attempt'])}: steps {int(r['first_step'])}..{int(r['last_step'])} ({status}), "
             f"{r['end'] - r['start']:.1f} s, recomputed {int(r.get('recomputed_steps', 0))} steps"
             + ("" if source == "none" else f", restored from {source}")
+            + f", {int(r.get('processes', 1))} process(es)"
+            + (f" on {int(r['nodes'])} node(s) (elastic round {int(r.get('round', 0))})" if r.get("nodes") else "")
         )
     print(total.line())
     print(total.table())

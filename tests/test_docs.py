@@ -214,6 +214,9 @@ SKIPPED_COMMANDS = {
     "mpiexec -n 2 python train.py": "needs mpiexec (the jddp[mpi] extra), not installed here; train.py is the user's",
     "srun --mpi=pmi2 -n 2 python train.py": "needs mpi4py over SLURM's PMI2, not set up here; train.py is the user's",
     "srun -n 2 python -m examples.mnist1d.train": "needs a SLURM cluster: tests/test_slurm.py starts one and runs it",
+    "jddp launch --nnodes 2:3 --coordinator 10.0.0.1:29500 -n 4 train.py": (
+        "needs the hosts and the address 10.0.0.1; tests/test_elastic.py runs three launchers on loopback"
+    ),
 }
 
 

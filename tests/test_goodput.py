@@ -36,18 +36,23 @@ def test_a_run_killed_twice_accounts_for_its_wall_time_and_the_steps_it_redid(tm
     (total,) = [r for r in records if r["split"] == "goodput_total"]
     assert [a["attempt"] for a in accounts] == [0, 1, 2]
     assert [a["finished"] for a in accounts] == [0, 0, 1]
-    assert [(a["first_step"], a["last_step"]) for a in accounts] == [(0, 10), (8, 17), (16, 30)]
+    spans = [(int(a["first_step"]), int(a["last_step"])) for a in accounts]
+    # Killed at steps 10 and 17; each restart resumes at or before the kill: from the disk checkpoint (every 4) or
+    # from an in-memory snapshot, whichever is newer (when the snapshot of the step killed at was taken varies).
+    assert spans[0] == (0, 10) and spans[1][1] == 17 and spans[2][1] == 30, spans
+    assert 8 <= spans[1][0] <= 10 and 16 <= spans[2][0] <= 17, spans
 
     # The steps redone, recorded independently by the worker (every step process 0 took, by attempt): a step
     # taken in two attempts was recomputed.
     taken = [tuple(map(int, line.split())) for line in (tmp_path / "steps0.txt").read_text().splitlines()]
     redone = sum(n - 1 for n in Counter(step for _, step in taken).values())
-    assert redone == total["recomputed_steps"] == sum(a["recomputed_steps"] for a in accounts) == 3
+    expected = sum(last - following for (_, last), (following, _) in itertools.pairwise(spans))
+    assert redone == total["recomputed_steps"] == sum(a["recomputed_steps"] for a in accounts) == expected
     for a, following in itertools.pairwise(accounts):
         mine = {s for attempt, s in taken if attempt == a["attempt"]}
         theirs = {s for attempt, s in taken if attempt == following["attempt"]}
         assert a["recomputed_steps"] == len(mine & theirs)
-        assert a["recomputed_s"] > 0 and a["lost_s"] > 0  # killed: its last steps redone, its end lost
+        assert (a["recomputed_s"] > 0) == (a["recomputed_steps"] > 0) and a["lost_s"] > 0  # killed: its end lost
         assert following["start"] - a["end"] == pytest.approx(a["downtime_s"], abs=1e-3)
 
     # Each attempt's parts add up to its wall time; the run's to the launcher's wall time as measured here.

@@ -8,6 +8,7 @@ process 0's final parameters (OUT/final.npz). KILL_AT=k: after step k's
 ``maybe_save`` (and the saves in flight are published), SIGKILL this process; KILL_AT=k0,k1,...: at k0 in the
 first attempt, k1 in the second (JDDP_RESTART_COUNT), the last one for the attempts after. Each process appends
 "<attempt> <step>" to OUT/steps<process>.txt for every step it takes (at its ``maybe_save``).
+EVAL_BATCH=n: the evaluation's global batch (16). STEP_SLEEP=s: every step takes s seconds more.
 TERM_AT=k: SIGTERM this process just before step k's ``maybe_save`` (a
 preemption: the save is at step k, then exit 75).
 """
@@ -17,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import jddp
 
@@ -34,6 +36,8 @@ rank = jax.process_index()
 attempt = int(os.environ.get("JDDP_RESTART_COUNT", "0"))
 kills = [int(k) for k in os.environ.get("KILL_AT", "-1").split(",")]  # one per attempt; the last for the rest
 kill_at, term_at = kills[min(attempt, len(kills) - 1)], int(os.environ.get("TERM_AT", "-1"))
+eval_batch = int(os.environ.get("EVAL_BATCH", "16"))  # 12: divisible by 1, 2, 3 and 4 processes
+step_sleep = float(os.environ.get("STEP_SLEEP", "0"))  # seconds added to every step (a run long enough to act on)
 steps_taken = open(os.path.join(out, f"steps{rank}.txt"), "a")  # every step this process took, by attempt
 
 
@@ -48,6 +52,7 @@ class Interrupted(jddp.Checkpointer):
 
     def maybe_save(self, state, loader=None, *, extra=None):
         step = int(jax.device_get(state.step))
+        time.sleep(step_sleep)
         steps_taken.write(f"{attempt} {step}\n")
         steps_taken.flush()
         if step == term_at:
@@ -82,7 +87,7 @@ params = {
 dp = jddp.DataParallel(loss_fn, optax.adamw(config.learning_rate), mesh=jddp.data_mesh())
 state = dp.init(params, rng=3)
 train = jddp.data.DataLoader({"x": x[:240], "y": y[:240]}, global_batch_size=24, seed=3)
-test = jddp.data.DataLoader({"x": x[240:], "y": y[240:]}, global_batch_size=16, shuffle=False, drop_last=False)
+test = jddp.data.DataLoader({"x": x[240:], "y": y[240:]}, global_batch_size=eval_batch, shuffle=False, drop_last=False)
 log_dir = os.path.join(out, f"log{rank}" if os.environ.get("PER_PROCESS_LOG") else "log")
 ckpt = Interrupted(os.path.join(out, "ckpt"), save_every=4, max_to_keep=2)
 result = fit(

@@ -18,6 +18,9 @@ Examples::
     jddp launch -n 4 --nnodes 2 --node-rank 0 --coordinator 10.0.0.1:29500 train.py   # on 10.0.0.1
     jddp launch -n 4 --nnodes 2 --node-rank 1 --coordinator 10.0.0.1:29500 train.py   # on the other host
 
+    # elastic: 2 to 3 hosts, the same line on each (the first started on 10.0.0.1 is node 0)
+    jddp launch -n 4 --nnodes 2:3 --coordinator 10.0.0.1:29500 train.py
+
 What each process gets: the environment variables ``JDDP_COORDINATOR``
 (``host:port``), ``JDDP_NUM_PROCESSES`` (``nnodes * nprocs``),
 ``JDDP_PROCESS_ID`` (``node_rank * nprocs + local rank``), ``JDDP_LOCAL_RANK``,
@@ -116,6 +119,13 @@ whose lock file no process holds (a launcher holds a ``flock`` on its directory'
 and the kernel drops it when the launcher dies, SIGKILL included; this holds across PID namespaces that share
 ``/dev/shm``, where a pid names nobody or somebody else).
 
+Elastic membership (``--nnodes MIN:MAX``): the launchers meet at node 0's rendezvous (the first launcher
+started on the coordinator's host, listening at its port + 1), which numbers the nodes of each round, ends a round
+at once when a node's launcher is gone, drops a node whose processes failed more than ``--max-restarts`` times,
+admits a node that joins at a step every process agrees on (the preemption save), and ends the run, every launcher
+exiting 69, below MIN nodes. Each process gets ``JDDP_MEMBERSHIP``; see ``jddp.cli.launch.elastic`` and the launch
+guide. A launcher's processes (and spares) end with it, by ``PR_SET_PDEATHSIG`` (``JDDP_LAUNCHER_PID``).
+
 From Python: ``launch(config_from_args(get_args_parser().parse_args(argv)))``, or
 ``launch(LaunchConfig(target="train.py", nprocs=2))``; ``launch`` returns the exit
 code described above.
@@ -125,8 +135,9 @@ This package's docstring is the launcher's manual; its modules hold one job each
 ``LaunchConfig``), ``environment`` (what each process gets), ``workers`` (this node's processes), ``service`` (node
 0's coordination service), ``spares`` (spares and standby), ``nodes`` (the other nodes: reports, node 0's service),
 ``notes`` (what the processes tell the launcher), ``failure`` (the first failure, the summary, the exit code),
-``snapshots`` (the snapshot directory), ``mpi`` (``--transport mpi``) and ``supervisor`` (the attempt loop,
-``launch``, ``main``). The output handling is in ``jddp.cli.output``, the spares' side in ``jddp.cli.spare``.
+``snapshots`` (the snapshot directory), ``mpi`` (``--transport mpi``), ``rendezvous`` (elastic membership's
+protocol), ``elastic`` (the rounds of ``--nnodes MIN:MAX``) and ``supervisor`` (the attempt loop, ``launch``,
+``main``). The output handling is in ``jddp.cli.output``, the spares' side in ``jddp.cli.spare``.
 """
 
 from jddp.cli.launch.config import DEFAULT_PEER_TIMEOUT_S, LaunchConfig, command, config_from_args, get_args_parser

@@ -39,10 +39,34 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         help="address of process 0's coordination service (default 127.0.0.1 and a free port; required with --nnodes)",
     )
     parser.add_argument(
-        "--nnodes", type=envvars.count(1), default=1, help="number of hosts, one launcher on each (default 1)"
+        "--nnodes",
+        type=envvars.node_range(),
+        default=(1, 1),
+        metavar="N|MIN:MAX",
+        help="number of hosts, one launcher on each (default 1); MIN:MAX: elastic membership, the group re-forms "
+        "without a lost host and admits one that (re)joins, between MIN and MAX hosts (see the manual)",
     )
     parser.add_argument(
-        "--node-rank", type=envvars.count(0), default=0, help="index of this host, 0 to nnodes-1 (default 0)"
+        "--node-rank",
+        type=envvars.count(0),
+        default=None,
+        help="index of this host, 0 to nnodes-1 (default 0; not with --nnodes MIN:MAX: the rendezvous numbers them)",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=envvars.seconds(),
+        default=600.0,
+        metavar="S",
+        help="with --nnodes MIN:MAX, seconds to wait for MIN hosts at the start, or for node 0 to answer, before "
+        "failing (default 600)",
+    )
+    parser.add_argument(
+        "--join-wait",
+        type=envvars.seconds(),
+        default=10.0,
+        metavar="S",
+        help="with --nnodes MIN:MAX, seconds the first round waits for up to MAX hosts once MIN have joined "
+        "(default 10)",
     )
     parser.add_argument(
         "--max-restarts", type=envvars.count(0), default=0, help="restarts of the group after a failure (default 0)"
@@ -146,6 +170,25 @@ class LaunchConfig:
     spares: bool = True  # with max_restarts > 0, spare processes with the imports done wait for a restart
     standby: bool = True  # spares run the next attempt's script up to its restore (one node, own coordinator)
     transport: str = "xla"  # "mpi": the processes run under mpiexec and sum through MPI (jddp.engine.mpi)
+    min_nodes: int | None = None  # --nnodes MIN:MAX: elastic membership (jddp.cli.launch.rendezvous); None: fixed
+    max_nodes: int | None = None
+    join_timeout: float = 600.0  # elastic: seconds to wait for MIN nodes at the start, or for node 0 to answer
+    join_wait: float = 10.0  # elastic: seconds the first round waits for up to MAX nodes once MIN joined
+    process_offset: int | None = None  # elastic: this round's first process id here (None: node_rank * nprocs)
+    world: int | None = None  # elastic: this round's processes over all nodes (None: nnodes * nprocs)
+
+    @property
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX``: the rendezvous decides each round's membership."""
+        return self.min_nodes is not None
+
+    def first_process_id(self) -> int:
+        """The process id of this node's local rank 0 (this round's, when elastic)."""
+        return self.node_rank * self.nprocs if self.process_offset is None else self.process_offset
+
+    def num_processes(self) -> int:
+        """The group's processes over all nodes (this round's, when elastic)."""
+        return self.nnodes * self.nprocs if self.world is None else self.world
 
     def __post_init__(self) -> None:
         if self.nprocs < 1:
@@ -156,20 +199,31 @@ class LaunchConfig:
             raise ValueError(f"--nnodes must be at least 1, got {self.nnodes}.")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank={self.node_rank} must be in [0, --nnodes={self.nnodes}).")
+        if self.min_nodes is not None or self.max_nodes is not None:
+            low, high = self.min_nodes, self.max_nodes
+            if not (isinstance(low, int) and isinstance(high, int) and 1 <= low < high):
+                raise ValueError(f"--nnodes MIN:MAX must have 1 <= MIN < MAX, got {low}:{high}.")
+            if self.coordinator is None:
+                raise ValueError(
+                    f"--nnodes {low}:{high} needs --coordinator HOST:PORT: an address of the host that runs the "
+                    "rendezvous (the first launcher started there hosts it) that every node can reach."
+                )
+            if self.transport != "xla":
+                raise ValueError(f"--nnodes {low}:{high} (elastic) needs --transport xla: MPI's world is fixed.")
         if self.nnodes > 1 and self.coordinator is None:
             raise ValueError(
                 "--nnodes > 1 needs --coordinator HOST:PORT: an address of node 0 that every node can reach."
             )
         if self.coordinator is not None:
             _, port = net.split_address(self.coordinator, name="--coordinator")
-            if self.nnodes > 1 and port + reports.PORT_OFFSET > 65535:
+            if (self.nnodes > 1 or self.elastic) and port + reports.PORT_OFFSET > 65535:
                 raise ValueError(
                     f"--coordinator {self.coordinator}: with --nnodes > 1 node 0's launcher also listens on the "
                     f"coordinator's port + 1 (the other launchers report there), so the port must be below 65535."
                 )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
-        for name in ("monitor_interval", "kill_grace", "term_timeout", "peer_timeout"):
+        for name in ("monitor_interval", "kill_grace", "term_timeout", "peer_timeout", "join_timeout", "join_wait"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 flag = name.replace("_", "-")
@@ -197,14 +251,24 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
       >>> config.nprocs, config.module, config.target, config.target_args
       (2, True, 'train', ('steps=10',))
     """
-    options = dict(vars(args))  # the flags' names are the fields' names, but for these four
+    options = dict(vars(args))  # the flags' names are the fields' names, but for these six
     target_args, no_malloc_tuning = options.pop("args"), options.pop("no_malloc_tuning")
     no_spares, no_standby = options.pop("no_spares"), options.pop("no_standby")
+    low, high = options.pop("nnodes")
+    if low != high:  # MIN:MAX: elastic; each round's nnodes and node rank come from the rendezvous
+        if options["node_rank"] is not None:
+            raise ValueError(
+                f"--node-rank is not for --nnodes {low}:{high}: with elastic membership the rendezvous numbers the "
+                "nodes of every round (the host that runs it is node 0). Drop --node-rank."
+            )
+        options.update(min_nodes=low, max_nodes=high)
+    options["node_rank"] = options["node_rank"] or 0
     return LaunchConfig(
         target_args=tuple(target_args),
         malloc_tuning=not no_malloc_tuning,
         spares=not no_spares,
         standby=not no_standby,
+        nnodes=low if low == high else high,
         **options,
     )
 

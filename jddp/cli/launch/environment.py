@@ -44,6 +44,7 @@ def base_environment(config: config_lib.LaunchConfig) -> dict[str, str]:
     """Our environment plus what every process gets whatever its role: what a spare starts with."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env["JDDP_LAUNCHER_PID"] = str(os.getpid())  # its processes end with it (jddp.runtime.distributed)
     if config.malloc_tuning and "GLIBC_TUNABLES" not in env:
         env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
     return env
@@ -54,8 +55,8 @@ def environment(config: config_lib.LaunchConfig, local_rank: int, coordinator: s
     env = base_environment(config)
     env.update(
         JDDP_COORDINATOR=coordinator,
-        JDDP_NUM_PROCESSES=str(config.nnodes * config.nprocs),
-        JDDP_PROCESS_ID=str(config.node_rank * config.nprocs + local_rank),
+        JDDP_NUM_PROCESSES=str(config.num_processes()),
+        JDDP_PROCESS_ID=str(config.first_process_id() + local_rank),
         JDDP_LOCAL_RANK=str(local_rank),
         JDDP_RESTART_COUNT=str(attempt),
         JDDP_MAX_RESTARTS=str(config.max_restarts),
@@ -85,6 +86,7 @@ def role_environment(
     run_start: float,
     ledger_note: str,
     snapshot_dir: str | None,
+    membership: str | None = None,
 ) -> dict[str, str]:
     """The environment of process ``local_rank`` of attempt ``attempt``, but for the moment it starts at
     (``moment_environment``), with its cores' thread settings under ``--cpu-share``."""
@@ -94,6 +96,8 @@ def role_environment(
     env["JDDP_LEDGER_NOTE"] = ledger_note
     if snapshot_dir is not None:
         env[ENV_SNAPSHOT_DIR] = snapshot_dir
+    if membership is not None:  # an elastic round's (jddp.cli.launch.elastic), for the goodput ledger
+        env["JDDP_MEMBERSHIP"] = membership
     cores(config, local_rank, env)
     return env
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from jddp import exitcodes, net
 from jddp.cli import output, reports
 from jddp.cli.launch import config as config_lib
-from jddp.cli.launch import failure, workers
+from jddp.cli.launch import failure, rendezvous, workers
 
 # Nodes other than 0: how long node 0's coordination service may go unanswered (after it first answered) before
 # this node's processes, still running, are stopped: the group has ended there (a frozen process here never would).
@@ -23,7 +23,8 @@ class Nodes:
     def __init__(self, config: config_lib.LaunchConfig, out: output.Output) -> None:
         self.config = config
         self.output = out
-        self.reports: reports.ReportServer | None = None  # node 0 of several: the other launchers' reports
+        # Node 0 of several: the other launchers' reports (elastic: the rendezvous, jddp.cli.launch.rendezvous).
+        self.reports: reports.ReportServer | rendezvous.Server | None = None
         self.probed_at, self.service_answered, self.service_silent_since = 0.0, False, None
         self.remote_deadline: float | None = None
 
@@ -34,7 +35,7 @@ class Nodes:
           OSError: the port is taken.
         """
         c = self.config
-        if c.nnodes > 1 and c.node_rank == 0:
+        if c.nnodes > 1 and c.node_rank == 0 and not c.elastic:  # elastic: the rendezvous takes the reports
             assert c.coordinator is not None  # --nnodes > 1 requires it
             self.reports = reports.ReportServer(*reports.address(net.split_address(c.coordinator)), c.nnodes)
 
@@ -81,7 +82,7 @@ class Nodes:
         said = "; ".join(f"node {r.node}: {r.what}" for r in elsewhere)
         for r in elsewhere:  # a process of this node that a survivor there found silent: stopped at once
             group.stop_silent(set(r.silent), f"a process of node {r.node}")
-        if attempt < self.config.max_restarts:
+        if self.config.elastic or attempt < self.config.max_restarts:
             self.output.say(f"the group failed on another node ({said}); a restart follows: stopping this node's")
             group.stop_for_restart()
             return True

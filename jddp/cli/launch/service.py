@@ -57,7 +57,7 @@ class ServiceManager:
 
     def spawn(self, coordinator: str) -> Service:
         """The service's process, the event set once it listens, and what it said until then."""
-        argv = [str(self.config.nnodes * self.config.nprocs), str(SERVICE_HEARTBEAT_S), str(SERVICE_SHUTDOWN_S)]
+        argv = [str(self.config.num_processes()), str(SERVICE_HEARTBEAT_S), str(SERVICE_SHUTDOWN_S)]
         # As for process 0's own service: the job's SIGTERM, SIGINT and SIGHUP (scancel, a time limit, a cgroup
         # kill signal every process) are for the workers, which need the service to agree on a step and save; it
         # stops on SERVICE_STOP_SIGNAL from this launcher, or SERVICE_GRACE_S after this launcher is gone.

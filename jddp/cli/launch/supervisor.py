@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from jddp import envvars, exitcodes, net
 from jddp.cli import output
 from jddp.cli import spare as spare_lib
 from jddp.cli.launch import config as config_lib
-from jddp.cli.launch import environment, failure, mpi, nodes, notes, service, snapshots, spares, workers
+from jddp.cli.launch import elastic, environment, failure, mpi, nodes, notes, service, snapshots, spares, workers
 
 STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -40,6 +41,19 @@ class Launcher:
         self.notes = notes.NoteDir()
         self.snapshot_dir = snapshots.SnapshotDir()  # made by run() unless the user set one
         self.spares = spares.SparePool(config, self.output, self.snapshot_dir, self.role_environment)
+        # Elastic runs (jddp.cli.launch.elastic): called at every check of the watch, ends the round when it returns
+        # an outcome; the round's membership for the processes (JDDP_MEMBERSHIP).
+        self.round_hook: Callable[[], tuple[str, workers.Worker | None] | None] | None = None
+        self.membership: str | None = None
+
+    def set_config(self, config: config_lib.LaunchConfig) -> None:
+        """An elastic round's configuration (its nodes, node rank and process ids), for every part."""
+        self.config = self.services.config = self.nodes.config = self.spares.config = config
+
+    def restart_follows(self) -> bool:
+        """Whether the group starts again after this attempt fails: a restart is left, or the run is elastic (the
+        rendezvous forms the next round, or ends the run)."""
+        return self.config.elastic or self.attempt < self.config.max_restarts
 
     # -- one process's start --------------------------------------------------
     def role_environment(self, local_rank: int, coordinator: str, attempt: int) -> dict[str, str]:
@@ -52,6 +66,7 @@ class Launcher:
             run_start=self.run_start,
             ledger_note=self.notes.ledger,
             snapshot_dir=self.snapshot_dir.path,
+            membership=self.membership,
         )
 
     def start_one(self, local_rank: int, coordinator: str, attempt: int) -> workers.Worker:
@@ -59,7 +74,7 @@ class Launcher:
         moment = environment.moment_environment(self.attempt_start, self.previous_end)
         spare = self.spares.take(local_rank)
         if spare is not None and spare.standby:  # standing by as this very process (start checked)
-            process_id = self.config.node_rank * self.config.nprocs + local_rank
+            process_id = self.config.first_process_id() + local_rank
             spare.wake(spare_lib.wake(moment), self.output)  # one that ended as it was woken: this attempt fails
             handle = workers.pidfd(spare.popen.pid)
             return workers.Worker(process_id, spare.popen, spare.readers, from_spare="woken", pidfd=handle)
@@ -111,8 +126,9 @@ class Launcher:
         started = self.group.workers
         first, last = started[0].process_id, started[-1].process_id
         self.output.say(
-            f"started processes {first}..{last} of {c.nnodes * c.nprocs} (attempt {attempt + 1} of "
-            f"{c.max_restarts + 1}, coordinator {coordinator}): {' '.join(config_lib.command(c)[1:])}"
+            f"started processes {first}..{last} of {c.num_processes()} ("
+            + (f"round {attempt}" if c.elastic else f"attempt {attempt + 1} of {c.max_restarts + 1}")
+            + f", coordinator {coordinator}): {' '.join(config_lib.command(c)[1:])}"
         )
         for kind, how in (("handed", "handed to their spares, not started anew"), ("woken", "woken from standby")):
             handed = [w for w in started if w.from_spare == kind]
@@ -125,7 +141,7 @@ class Launcher:
         restart left: starts the next attempt's coordination service (a local run's: a fresh free port) and one spare
         per local process (``jddp.cli.spare``), so that a restart waits for neither."""
         c = self.config
-        if self.prepared or self.attempt >= c.max_restarts or c.transport != "xla":
+        if self.prepared or not self.restart_follows() or c.transport != "xla":
             return
         if time.time() - self.attempt_start < PREPARE_AFTER_S and not self.notes.first_step_taken(self.attempt_start):
             return
@@ -165,7 +181,7 @@ class Launcher:
         # The others end by themselves within the peer timeout, each naming what it lost (exit 69); signals only
         # for those that do not. When the first to end lost a peer, the others that lost it judge the same
         # silence and end within a watchdog round; whoever is still running after that is the frozen one.
-        if self.attempt < self.config.max_restarts and not exitcodes.is_peer_failure(first_failed.code):
+        if self.restart_follows() and not exitcodes.is_peer_failure(first_failed.code):
             self.output.say(f"process {first_failed.process_id} {what}; a restart follows: stopping the others")
             self.group.stop_for_restart()
             return "failed", first_failed
@@ -190,6 +206,10 @@ class Launcher:
                 group.stop_after_signal(self.signal_received, self.config.term_timeout)
                 return "signal", None
             group.poll()
+            if self.round_hook is not None:
+                ended = self.round_hook()
+                if ended is not None:
+                    return ended
             self.silent_named()
             if self.nodes.remote_failure(self.attempt, group):
                 return "failed", self.first_failure()
@@ -229,6 +249,7 @@ class Launcher:
                 outcome == "failed"
                 and self.services.current is not None
                 and c.nnodes > 1
+                and not c.elastic  # the rendezvous tells the others' launchers to stop their processes
                 and first_failed is not None
                 and not exitcodes.is_peer_failure(first_failed.code or 0)
             ):
@@ -286,6 +307,8 @@ class Launcher:
             if c.transport == "mpi":
                 path = self.snapshot_dir.path
                 return mpi.run_mpi(c, self.output, self.group, path, lambda: self.signal_received)
+            if c.elastic:
+                return elastic.run(self)
             attempt = 0
             while True:
                 try:

@@ -1,0 +1,389 @@
+"""The rounds of an elastic run (``--nnodes MIN:MAX``): node 0's launcher forms each round from the launchers
+connected to its rendezvous (``jddp.cli.launch.rendezvous``), the others run the rounds they are given.
+
+A round is one attempt of the fixed-membership launcher (``Launcher.run_once``) with the round's nodes, node rank,
+first process id and number of processes. Node 0 ends a round, and forms the next:
+
+* at once, when a launcher of the round is gone (its connection closed, or silent for the peer timeout): the
+  others' processes are stopped (told ``stop``) and the next round has one node fewer;
+* when a round fails (a process failed): every node's launcher reports how its processes ended; a node whose
+  processes failed first more than ``--max-restarts`` times is dropped (told ``end``), the others form the next
+  round;
+* to admit a node that joined while the round ran (up to MAX): it sends SIGTERM to its own processes, which agree
+  on a step with every other process, save the checkpoint of that step and exit 75 (``jddp.Checkpointer``'s
+  preemption); every launcher then joins the next round, the new node with them.
+
+Fewer than MIN nodes left: the run ends, every launcher exits 69 naming the lost nodes. Node 0 cannot be lost: it
+runs the rendezvous and the coordination service; the others exit 69, naming it, when it is gone.
+
+Every process of a round gets ``JDDP_MEMBERSHIP`` (JSON: the round, its nodes and processes, the round before's and
+why it changed), which the goodput ledger records; the launcher's summary lists the rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from jddp import exitcodes, net
+from jddp.cli import reports
+from jddp.cli.launch import config as config_lib
+from jddp.cli.launch import rendezvous
+
+if TYPE_CHECKING:
+    from jddp.cli.launch import workers
+    from jddp.cli.launch.supervisor import Launcher
+
+# After a round ends, how long node 0 waits for the launchers of that round to say they are ready for the next,
+# beyond the peer timeout and the kill grace: a launcher always ends its round by then, or is gone.
+READY_SLACK_S = 15.0
+# A node waiting to join is admitted once the round's processes took their first step (fit's goodput ledger), or
+# this long after the round started (a script without fit).
+ADMIT_AFTER_S = 10.0
+
+
+def run(launcher: Launcher) -> int:
+    """Runs ``launcher``'s elastic run: as node 0 when the rendezvous address can be bound here, else as a member."""
+    c = launcher.config
+    assert c.coordinator is not None and c.min_nodes is not None and c.max_nodes is not None  # checked by config
+    address = reports.address(net.split_address(c.coordinator))
+    silence = c.peer_timeout or config_lib.DEFAULT_PEER_TIMEOUT_S
+    try:
+        server = rendezvous.bind_or_none(*address, silence)
+    except OSError as error:
+        launcher.output.say(f"cannot listen for the rendezvous at {address[0]}:{address[1]}: {error}")
+        return 1
+    if server is not None:
+        return Host(launcher, server).run()
+    try:
+        client = rendezvous.Client(address, f"{socket.gethostname()}:{os.getpid()}", c.nprocs, c.join_timeout, silence)
+    except OSError as error:
+        launcher.output.say(str(error))
+        return 1
+    return Guest(launcher, client).run()
+
+
+@dataclasses.dataclass
+class Round:
+    """One round's membership as node 0 formed it."""
+
+    number: int
+    nodes: list[str]  # names, node 0 first
+    processes: int
+    why: str
+    started: float  # wall time
+
+    def describe(self) -> str:
+        return f"round {self.number}: {len(self.nodes)} node(s), {self.processes} process(es) ({self.why})"
+
+
+def membership_environment(current: Round, before: Round | None) -> str:
+    """``JDDP_MEMBERSHIP``: this round's membership and the round before's, for the goodput ledger."""
+    record = {"round": current.number, "nodes": len(current.nodes), "processes": current.processes, "why": current.why}
+    if before is not None:
+        record["before"] = {"round": before.number, "nodes": len(before.nodes), "processes": before.processes}
+    return json.dumps(record)
+
+
+class Host:
+    """Node 0: the rendezvous, the rounds, and its own processes in each."""
+
+    def __init__(self, launcher: Launcher, server: rendezvous.Server) -> None:
+        self.launcher, self.server = launcher, server
+        self.base = launcher.config
+        self.say = launcher.output.say
+        self.history: list[Round] = []
+        self.failures = 0  # rounds that failed first on this node
+        self.members: list[rendezvous.Member] = []  # the round's other nodes, by node rank
+        self.admitting = False
+        self.lost: list[str] = []  # this round's nodes found gone, said once each
+        self.round_start = 0.0
+        self.why = ""  # why the round being formed was formed
+        self.failed_round: int | None = None  # a round that failed: its reports are read at the next gather
+
+    def run(self) -> int:
+        base, launcher = self.base, self.launcher
+        launcher.nodes.reports = self.server  # the failure reports of the rounds arrive here
+        self.say(
+            f"elastic membership, {base.min_nodes} to {base.max_nodes} nodes: this launcher hosts the rendezvous at "
+            f"{base.coordinator} port + 1 (node 0 of every round)"
+        )
+        number, why, code = 0, "the first round", 1
+        try:
+            while True:
+                members = self.gather(number, why)
+                if isinstance(members, int):
+                    code = members
+                    return code
+                self.start_round(number, members, self.why)
+                launcher.round_hook = self.hook
+                outcome, first_failed = launcher.run_once(number)
+                launcher.round_hook = None
+                code, why = self.after_round(number, outcome, first_failed)
+                if code is not None:
+                    return code
+                number += 1
+        finally:
+            self.say("membership history: " + "; ".join(r.describe() for r in self.history))
+            for m in self.server.alive():
+                self.server.drop(m, "node 0's launcher ended", code if code else exitcodes.EXIT_PEER_LOST)
+            time.sleep(0.2)  # the last lines reach the others before the connections close
+            self.server.close()
+
+    # -- forming a round --------------------------------------------------------------
+    def gather(self, number: int, why: str) -> list[rendezvous.Member] | int:
+        """The other nodes of round ``number``, once they are ready (the exit code when the run must end)."""
+        c, previous = self.base, {m.key for m in self.members}
+        self.why = why
+        assert c.min_nodes is not None and c.max_nodes is not None
+        peer = c.peer_timeout or config_lib.DEFAULT_PEER_TIMEOUT_S
+        now = time.monotonic()
+        ready_by = now + peer + c.kill_grace + READY_SLACK_S
+        join_by, min_reached = now + c.join_timeout, None
+        if number == 0:
+            self.say(f"waiting for {c.min_nodes - 1} to {c.max_nodes - 1} other node(s) to join")
+        while True:
+            if self.launcher.signal_received is not None:
+                return 128 + self.launcher.signal_received
+            alive = self.server.alive()
+            late = [m for m in alive if m.key in previous and m.ready < number]
+            if late and time.monotonic() < ready_by:
+                self.server.wait(0.2)
+                continue
+            for m in late:
+                self.server.drop(m, f"it did not end round {number - 1} in time", exitcodes.EXIT_PEER_LOST)
+            if self.failed_round is not None:
+                said = self.attribute(self.failed_round)
+                self.failed_round = None
+                if said is not None:
+                    self.why = f"{why}: {said}"
+            candidates = [m for m in self.server.alive() if m.key in previous or m.ready < number]
+            count = 1 + len(candidates)
+            if count < c.min_nodes:
+                if number == 0 and time.monotonic() < join_by:
+                    self.server.wait(0.2)
+                    continue
+                lost = "; ".join(self.lost) or "none lost"
+                said = (
+                    f"only {count} of the {c.min_nodes} node(s) needed joined in --join-timeout={c.join_timeout:g} s"
+                    if number == 0
+                    else f"{count} node(s) left, below --nnodes MIN={c.min_nodes} (lost: {lost})"
+                )
+                self.say(f"the run cannot go on: {said}; ending it (exit {exitcodes.EXIT_PEER_LOST})")
+                for m in self.server.alive():
+                    self.server.drop(m, said, exitcodes.EXIT_PEER_LOST)
+                return exitcodes.EXIT_PEER_LOST
+            if number == 0 and count < c.max_nodes:
+                min_reached = min_reached or time.monotonic()
+                if time.monotonic() - min_reached < c.join_wait:
+                    self.server.wait(0.2)
+                    continue
+            return candidates[: c.max_nodes - 1]
+
+    def start_round(self, number: int, members: list[rendezvous.Member], why: str) -> None:
+        c, launcher = self.base, self.launcher
+        sizes = [c.nprocs] + [m.nprocs for m in members]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        names = [f"{socket.gethostname()}:{os.getpid()} (node 0)"] + [m.name for m in members]
+        current = Round(number, names, sum(sizes), why, time.time())
+        before = self.history[-1] if self.history else None
+        self.history.append(current)
+        self.members, self.admitting, self.lost = members, False, []
+        for rank, m in enumerate(members, 1):
+            m.send(
+                {
+                    "op": "round",
+                    "round": number,
+                    "node_rank": rank,
+                    "nnodes": len(sizes),
+                    "process_offset": offsets[rank],
+                    "world": current.processes,
+                    "membership": membership_environment(current, before),
+                }
+            )
+        launcher.set_config(dataclasses.replace(c, nnodes=len(sizes), node_rank=0, process_offset=0, world=sum(sizes)))
+        launcher.membership = membership_environment(current, before)
+        self.say(current.describe() + ": " + ", ".join(f"node {i}: {n}" for i, n in enumerate(names)))
+        self.round_start = time.monotonic()
+
+    # -- while a round runs ----------------------------------------------------------
+    def hook(self) -> tuple[str, workers.Worker | None] | None:
+        """Called by the launcher's watch: ends the round when a node of it is gone; starts an admission."""
+        c, launcher = self.base, self.launcher
+        assert c.max_nodes is not None
+        gone = [m for m in self.members if m.gone is not None and not m.finished]
+        if gone:
+            for m in gone:
+                rank = self.members.index(m) + 1
+                self.lost.append(f"node {rank} ({m.name}): {m.gone}")
+                self.say(f"node {rank} ({m.name}) is lost: {m.gone}; ending round {len(self.history) - 1}")
+            for m in self.members:
+                m.send({"op": "stop", "round": len(self.history) - 1})
+            launcher.group.stop_for_restart()
+            return "lost", None
+        waiting = [m for m in self.server.alive() if m not in self.members]
+        if waiting and not self.admitting and len(self.members) + 1 < c.max_nodes:
+            started = launcher.notes.first_step_taken(launcher.attempt_start)
+            if started or time.monotonic() - self.round_start > ADMIT_AFTER_S:
+                self.admitting = True
+                names = ", ".join(m.name for m in waiting)
+                self.say(
+                    f"{names} waiting to join: ending round {len(self.history) - 1} at a step every process agrees "
+                    "on, with its checkpoint saved (SIGTERM to this node's processes: the preemption save)"
+                )
+                launcher.group.signal_all(signal.SIGTERM)
+        return None
+
+    def after_round(self, number: int, outcome: str, first_failed: workers.Worker | None) -> tuple[int | None, str]:
+        """What follows round ``number``: ``(exit code, "")`` when the run ends, else ``(None, why)`` of the next."""
+        c, launcher = self.base, self.launcher
+        if outcome == "ok":
+            self.await_members(number)
+            return launcher.exit_code(outcome, first_failed), ""
+        if outcome == "signal" or (outcome == "preempted" and not self.admitting):
+            code = launcher.exit_code(outcome, first_failed)
+            for m in self.server.alive():
+                self.server.drop(m, f"node 0's processes ended ({exitcodes.describe(code)})", code)
+            return code, ""
+        if self.admitting:
+            return None, "admitting a node"
+        for m in self.members:  # the round failed: the others' processes end now
+            m.send({"op": "stop", "round": number})
+        if outcome == "lost":
+            return None, "a node lost"
+        self.failed_round = number  # the others' reports of it are counted once they are ready (gather)
+        why = "a process failed"
+        if first_failed is not None and first_failed.code is not None:
+            if not exitcodes.is_peer_failure(first_failed.code):
+                self.failures += 1
+                if self.failures > c.max_restarts:
+                    code = launcher.exit_code("failed", first_failed)
+                    for m in self.server.alive():
+                        self.server.drop(m, "node 0's restarts are spent", code)
+                    return code, ""
+                why = f"process {first_failed.process_id} failed on node 0"
+        return None, why
+
+    def await_members(self, number: int) -> None:
+        """After node 0's processes finished: waits (up to the peer timeout) for the others to say theirs did."""
+        c = self.base
+        deadline = time.monotonic() + (c.peer_timeout or config_lib.DEFAULT_PEER_TIMEOUT_S)
+        while time.monotonic() < deadline and any(m.gone is None for m in self.members):
+            self.server.wait(0.2)
+
+    def attribute(self, number: int) -> str | None:
+        """Counts round ``number``'s failures reported by the other nodes; drops those whose restarts are spent."""
+        c, said = self.base, None
+        for r in self.server.reports(number):
+            if 0 < r.node <= len(self.members) and not exitcodes.is_peer_failure(r.code):
+                m = self.members[r.node - 1]
+                m.failures += 1
+                said = f"node {r.node}: {r.what}"
+                if m.failures > c.max_restarts:
+                    self.server.drop(
+                        m, f"its processes failed {m.failures} time(s), more than --max-restarts={c.max_restarts}: "
+                        "the group goes on without it", r.code if r.code > 0 else 128 - r.code
+                    )  # fmt: skip
+        return said
+
+
+class Guest:
+    """A node other than 0: joins node 0's rendezvous and runs the rounds it is given."""
+
+    def __init__(self, launcher: Launcher, client: rendezvous.Client) -> None:
+        self.launcher, self.client = launcher, client
+        self.base = launcher.config
+        self.say = launcher.output.say
+        self.ended: tuple[int, str] | None = None  # node 0's "end" (code, why)
+        self.host_gone: str | None = None
+
+    def run(self) -> int:
+        launcher, c = self.launcher, self.base
+        self.say(f"elastic membership: joined the rendezvous at {c.coordinator} port + 1; waiting for a round")
+        try:
+            while True:
+                message = self.next_round()
+                if isinstance(message, int):
+                    return message
+                number = message["round"]
+                launcher.set_config(
+                    dataclasses.replace(
+                        c,
+                        nnodes=message["nnodes"],
+                        node_rank=message["node_rank"],
+                        process_offset=message["process_offset"],
+                        world=message["world"],
+                    )
+                )
+                launcher.membership = message.get("membership")
+                launcher.round_hook = self.hook
+                outcome, first_failed = launcher.run_once(number)
+                launcher.round_hook = None
+                if self.ended is not None:
+                    code, why = self.ended
+                    self.say(f"node 0 ended the run: {why} (exit {code})")
+                    return code
+                if self.host_gone is not None:
+                    return exitcodes.EXIT_PEER_LOST
+                if outcome == "signal":
+                    code = launcher.exit_code(outcome, first_failed)
+                    self.client.send({"op": "leave", "why": f"stopped by a signal (exit {code})"})
+                    return code
+                if outcome == "ok":
+                    self.client.send({"op": "leave", "code": 0, "why": "its processes finished"})
+                    return launcher.exit_code(outcome, first_failed)
+                self.client.send({"op": "ready", "round": number + 1})
+        finally:
+            time.sleep(0.2)
+            self.client.close()
+
+    def next_round(self) -> dict | int:
+        """Node 0's next ``round`` message, or the exit code when the run ends (``end``, node 0 gone, a signal)."""
+        while True:
+            if self.launcher.signal_received is not None:
+                self.client.send({"op": "leave", "why": "stopped by a signal"})
+                return 128 + self.launcher.signal_received
+            message = self.client.next_message(0.2)
+            if message is None:
+                gone = self.client.gone()
+                if gone is not None:
+                    self.say(f"node 0's rendezvous is gone ({gone}): the run cannot re-form without it")
+                    return exitcodes.EXIT_PEER_LOST
+                continue
+            if message.get("op") == "end":
+                code = message.get("code")
+                code = code if isinstance(code, int) and not isinstance(code, bool) else 1
+                self.say(f"node 0 ended the run: {message.get('why', '')} (exit {code})")
+                return code
+            if message.get("op") == "round" and all(
+                isinstance(message.get(k), int) for k in ("round", "nnodes", "node_rank", "process_offset", "world")
+            ):
+                return message
+
+    def hook(self) -> tuple[str, workers.Worker | None] | None:
+        """Called by the launcher's watch: node 0 said ``stop`` or ``end``, or is gone."""
+        launcher = self.launcher
+        gone = self.client.gone()
+        if gone is not None:
+            self.host_gone = gone
+            self.say(f"node 0's rendezvous is gone ({gone}): stopping this node's processes")
+            launcher.group.stop_all(self.base.kill_grace)
+            return "lost", None
+        message = self.client.next_message(0)
+        if message is None:
+            return None
+        if message.get("op") == "end":
+            code = message.get("code")
+            self.ended = (code if isinstance(code, int) and not isinstance(code, bool) else 1, str(message.get("why")))
+            launcher.group.stop_all(self.base.kill_grace)
+            return "lost", None
+        if message.get("op") == "stop" and message.get("round") == launcher.attempt:  # not a late one of a round before
+            self.say("node 0 ended the round: stopping this node's processes")
+            launcher.group.stop_for_restart()
+            return "lost", None
+        return None

@@ -1,0 +1,187 @@
+"""Elastic membership (``jddp launch --nnodes MIN:MAX``) on loopback: three launchers on one machine, one per
+"host", each with one process of one device. A host is lost by SIGKILLing its launcher (its processes end with it);
+it comes back as a new launcher. The training must be the run that never lost a host: the global batches do not
+depend on the number of processes, and every round resumes from the newest checkpoint, so the losses of every step
+and the final parameters equal those of one process that trained alone, to float round-off."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jddp import exitcodes, net
+from tests import multiprocess
+
+FIT_TRAIN = str(multiprocess.WORKERS / "fit_train.py")
+PEER_TIMEOUT = 10.0
+pytestmark = pytest.mark.multiprocess
+
+
+class Launcher:
+    """One ``jddp launch --nnodes 2:3`` of ``fit_train.py``, its output in files."""
+
+    def __init__(self, tmp: Path, name: str, port: int, out: Path, steps: int, step_sleep: float) -> None:
+        self.log = tmp / f"launcher-{name}.txt"
+        argv = [
+            sys.executable, "-m", "jddp.launch", "--nnodes", "2:3", "--coordinator", f"127.0.0.1:{port}", "-n", "1",
+            "--devices-per-process", "1", "--join-wait", "3", "--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1",
+            FIT_TRAIN, str(out), str(steps),
+        ]  # fmt: skip
+        env = multiprocess.environment(STEP_SLEEP=str(step_sleep), EVAL_BATCH="12")
+        with open(self.log, "wb") as f:
+            self.popen = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=multiprocess.ROOT)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def descendants(self) -> set[int]:
+        """Its processes' pids, and theirs (Linux's /proc children lists)."""
+        found, todo = set(), [self.popen.pid]
+        while todo:
+            pid = todo.pop()
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    children = {int(c) for c in (task / "children").read_text().split()}
+                except OSError:
+                    continue
+                todo += list(children - found)
+                found |= children
+        return found
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            raise AssertionError(f"launcher still running after {timeout} s:\n{self.text()[-4000:]}") from None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def steps_taken(out: Path, rank: int) -> list[tuple[int, int]]:
+    """``(round, step)`` of every step process ``rank`` took (fit_train.py's record)."""
+    try:
+        text = (out / f"steps{rank}.txt").read_text()
+    except OSError:
+        return []
+    return [tuple(map(int, line.split())) for line in text.splitlines() if len(line.split()) == 2]  # type: ignore[misc]
+
+
+def until(what, timeout: float, launchers: list[Launcher]) -> float:
+    """Waits until ``what()``; returns the time it became true."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline:
+            said = "\n".join(f"--- {launcher.log.name}\n{launcher.text()[-3000:]}" for launcher in launchers)
+            raise AssertionError(f"waited {timeout} s for {what.__doc__ or what}:\n{said}")
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """The train loss logged at each step; a step logged again (after a restart) by its last record."""
+    losses = {}
+    for line in (out / "log" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split") == "train":
+            losses[int(record["step"])] = record["loss"]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory) -> Path:
+    """The reference: ``fit_train.py`` as one process of one device, never interrupted."""
+    out = tmp_path_factory.mktemp("alone")
+    done = subprocess.run(
+        [sys.executable, FIT_TRAIN, str(out), "60"], capture_output=True, text=True, timeout=300,
+        env=multiprocess.environment(JDDP_LOCAL_DEVICES="1", EVAL_BATCH="12"), cwd=multiprocess.ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def assert_same_run(out: Path, alone: Path) -> None:
+    mine, reference = train_losses(out), train_losses(alone)
+    assert sorted(mine) == sorted(reference)
+    np.testing.assert_allclose([mine[s] for s in sorted(mine)], [reference[s] for s in sorted(mine)], rtol=2e-5)
+    with np.load(out / "final.npz") as a, np.load(alone / "final.npz") as b:
+        for k in b.files:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_a_host_lost_then_back_trains_the_run_that_never_lost_it(tmp_path, alone):
+    port, out = net.free_port(), tmp_path / "run"
+    out.mkdir()
+    a = Launcher(tmp_path, "a", port, out, 60, 0.15)
+    launchers = [a]
+    until(lambda: net.answers("127.0.0.1", port + 1), 60, launchers)  # a hosts the rendezvous: node 0
+    b, c = Launcher(tmp_path, "b", port, out, 60, 0.15), Launcher(tmp_path, "c", port, out, 60, 0.15)
+    launchers += [b, c]
+    try:
+        until(lambda: any(s >= 8 for _, s in steps_taken(out, 2)), 180, launchers)
+        before = c.descendants()
+        assert before, "c's launcher has no processes"
+        c.popen.send_signal(signal.SIGKILL)
+        lost_at = time.monotonic()
+        c.popen.wait(10)
+        # Its processes end with it (PR_SET_PDEATHSIG): none trains on as a member of the group being re-formed.
+        until(lambda: not any(alive(p) for p in before), 15, launchers)
+        # Round 1: two hosts, resumed from the newest checkpoint; then the host returns and is admitted (round 2).
+        resumed_at = until(lambda: any(r == 1 for r, _ in steps_taken(out, 0)), 120, launchers)
+        assert not any(r == 1 for r, _ in steps_taken(out, 2))  # process 2 took no step in round 1: two hosts
+        c2 = Launcher(tmp_path, "c2", port, out, 60, 0.15)
+        launchers.append(c2)
+        until(lambda: any(r == 2 for r, _ in steps_taken(out, 2)), 180, launchers)
+        codes = [launcher.wait(240) for launcher in (a, b, c2)]
+    finally:
+        for launcher in launchers:
+            if launcher.popen.poll() is None:
+                launcher.popen.kill()
+    said = a.text()
+    assert codes == [0, 0, 0], said[-4000:]
+    assert "round 0: 3 node(s), 3 process(es)" in said, said[-4000:]
+    assert "round 1: 2 node(s), 2 process(es) (a node lost)" in said, said[-4000:]
+    assert "round 2: 3 node(s), 3 process(es) (admitting a node)" in said, said[-4000:]
+    assert "membership history: round 0: 3 node(s)" in said
+    assert_same_run(out, alone)
+    # The goodput ledger records each round's membership.
+    records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
+    assert rounds == [(0, 3, 3), (1, 2, 2), (2, 3, 3)], rounds
+    print(f"from the loss to training again: {resumed_at - lost_at:.1f} s")
+
+
+def test_below_min_the_run_ends_named_within_the_peer_timeout(tmp_path):
+    port, out = net.free_port(), tmp_path / "run"
+    out.mkdir()
+    a = Launcher(tmp_path, "a", port, out, 200, 0.1)
+    until(lambda: net.answers("127.0.0.1", port + 1), 60, [a])
+    b = Launcher(tmp_path, "b", port, out, 200, 0.1)
+    try:
+        until(lambda: any(s >= 3 for _, s in steps_taken(out, 1)), 180, [a, b])
+        b.popen.send_signal(signal.SIGKILL)
+        lost_at = time.monotonic()
+        code = a.wait(PEER_TIMEOUT + 10 + 30)  # the bound is checked below, the wait is generous
+        took = time.monotonic() - lost_at
+    finally:
+        for launcher in (a, b):
+            if launcher.popen.poll() is None:
+                launcher.popen.kill()
+    said = a.text()
+    assert code == exitcodes.EXIT_PEER_LOST, said[-3000:]
+    assert "1 node(s) left, below --nnodes MIN=2" in said and "its launcher is gone" in said, said[-3000:]
+    assert took < PEER_TIMEOUT + 10, took
