@@ -6,6 +6,7 @@ and the final parameters equal those of one process that trained alone, to float
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -185,3 +186,32 @@ def test_below_min_the_run_ends_named_within_the_peer_timeout(tmp_path):
     assert code == exitcodes.EXIT_PEER_LOST, said[-3000:]
     assert "1 node(s) left, below --nnodes MIN=2" in said and "its launcher is gone" in said, said[-3000:]
     assert took < PEER_TIMEOUT + 10, took
+
+
+def test_a_silent_process_ends_with_its_launcher(tmp_path):
+    """PR_SET_PDEATHSIG: a process that prints nothing (so no broken pipe would end it) and is not in a collective (so
+    no peer's loss would) does not outlive its SIGKILLed launcher, which the others' launchers count as gone."""
+    script = tmp_path / "silent.py"
+    script.write_text(
+        "import os, sys, time\nimport jddp\njddp.initialize()\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    argv = [sys.executable, "-m", "jddp.launch", "-n", "1", "--devices-per-process", "1", str(script)]
+    launcher = subprocess.Popen(argv, env=multiprocess.environment(), cwd=multiprocess.ROOT, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+            assert time.monotonic() < deadline and launcher.poll() is None, "the process never started"
+            time.sleep(0.1)
+        pid = int((tmp_path / "pid").read_text())
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), "the process outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        with contextlib.suppress(ValueError, OSError, ProcessLookupError):
+            os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
