@@ -675,8 +675,9 @@ class DataLoader:
                 )
                 raise ValueError(
                     f"The DataLoaders of this run's processes differ in {key}: {listed}. Every process must build "
-                    "its loader with the same source size, global_batch_size, seed, shuffle and drop_last, and "
-                    f"restore the same position, or examples are duplicated and dropped.{hint}"
+                    "its loader with the same source size, global_batch_size, max_per_device_batch_size, seed, "
+                    "shuffle and drop_last, and restore the same position, or examples are duplicated and "
+                    f"dropped.{hint}"
                 )
 
     def _next_local(self) -> tuple[np.ndarray, tuple[packing.Field, ...]]:
