@@ -417,3 +417,20 @@ def test_a_snapshot_flattens_the_state_once_and_its_reused_layout_restores_every
         for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(template), strict=True):
             assert got.dtype == want.dtype and got.sharding == want.sharding
     snaps.close(remove=True)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_a_state_of_the_same_structure_with_another_shape_or_dtype_gets_its_own_layout(tmp_path, change):
+    """The layout cache is keyed by what a layout is made of: the tree, and each leaf's shape, dtype and sharding. A
+    state whose leaves keep their structure and sharding but change shape (a buffer that grows) or dtype (a cast)
+    must not be written with the previous layout's sizes."""
+    snaps = snapshot.Snapshots(tmp_path / "memory", tmp_path / "ckpt", fingerprint=None, budget=0.01, every=1)
+    first = {"w": jnp.arange(6, dtype=jnp.float32)}
+    second = {"w": jnp.arange(10, dtype=jnp.float32) if change == "shape" else jnp.arange(6, dtype=jnp.int32)}
+    for step, tree in ((1, first), (2, second)):
+        snaps.take(step, tree, {"position": step}, None)
+        snaps.wait()
+    restored, _, _ = snaps.load(2, second, None)
+    assert restored["w"].dtype == second["w"].dtype
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(second["w"]))
+    snaps.close(remove=True)

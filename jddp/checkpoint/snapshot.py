@@ -293,7 +293,7 @@ class Snapshots:
         clock("join")
         # flattened once: a state of many NNX variables takes most of a snapshot's main-thread time to flatten
         leaves, treedef = jax.tree.flatten(tree)
-        signature = (treedef, tuple(x.sharding for x in leaves))
+        signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))  # a layout is all three
         layout = self._layouts.get(signature)
         if layout is None:
             layout = self._layouts[signature] = _layout(tree)
