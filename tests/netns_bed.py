@@ -13,8 +13,9 @@ interpreter), ``$logs`` (a fresh folder, whose ``*.log`` files ``run`` returns),
 - ``netns HOST`` / ``addr HOST``: the namespace / the address of host ``HOST`` (a letter), e.g.
   ``ip netns exec "$(netns b)" CMD`` runs ``CMD`` on host b.
 - ``launcher HOST NAME ARG...``: ``python -m jddp.launch ARG...`` inside host ``HOST`` (a letter) in the
-  background, its output in ``$logs/NAME.log``, its PID in ``${pid[NAME]}``. The same ``NAME`` again (after
-  ``reap NAME``) is a new launcher on that host, e.g. a host that comes back.
+  background, its output in ``$logs/NAME.log``, its PID in ``${pid[NAME]}``. A host that comes back is a new
+  launcher on it: ``launcher b host1-back ARG...`` (a new ``NAME`` keeps the first launcher's log; the same one
+  would overwrite it).
 - ``reap NAME...``: waits for those launchers, sets ``${code[NAME]}`` to their exit statuses, says them on
   stderr; status 0 when every one exited with 0.
 - ``wait_for NAME REGEX [SECONDS]``: waits until a line of ``$logs/NAME.log`` matches the extended regular
