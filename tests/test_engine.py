@@ -76,6 +76,22 @@ def test_accumulate_steps_equals_whole_batch(mesh):
     assert not allreduce.in_loop
 
 
+@pytest.mark.parametrize("accumulate_steps", [3, 4])
+def test_evaluate_takes_any_batch_the_devices_divide_whatever_the_accumulation(mesh, accumulate_steps):
+    """An evaluation takes its batch whole: a batch the devices divide but the micro-batches do not (a loader with
+    ``max_per_device_batch_size`` pads the evaluation's batch for the devices only) evaluates as the step-free
+    ``DataParallel`` does; the step still refuses it, naming ``accumulate_steps``."""
+    model = models.pytree()
+    batch = models.batch(N * 5, 0)  # 40 rows: 8 devices divide it, 8 x 3 and 8 x 4 do not
+    plain = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh)
+    accumulated = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh, accumulate_steps=accumulate_steps)
+    state = accumulated.init(model.params, model.model_state, rng=0)
+    reference = plain.evaluate(plain.init(model.params, model.model_state, rng=0), [batch])
+    assert accumulated.evaluate(state, [batch]) == reference
+    with pytest.raises(ValueError, match=f"accumulate_steps={accumulate_steps}"):
+        accumulated.step(state, batch)
+
+
 def test_accumulate_with_uneven_masks_is_exact(mesh):
     model = models.pytree()
     mask = np.zeros(64, np.float32)

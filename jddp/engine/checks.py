@@ -95,9 +95,10 @@ class Options:
             )
 
 
-def check_call(dp, state, batch, what: str = "batch") -> None:
+def check_call(dp, state, batch, what: str = "batch", *, accumulated: bool = True) -> None:
     """Before a program runs: ``state`` live and from this mesh, ``batch`` (named ``what`` in errors) live at every
-    call and splittable (checked once per batch shape)."""
+    call and splittable (checked once per batch shape): by the devices, and by ``accumulate_steps`` too unless not
+    ``accumulated`` (an evaluation takes its batch whole)."""
     check_state(dp, state)
     leaves, treedef = jax.tree.flatten(batch)
     for x in leaves:  # a deleted array keeps its shape: checked at every call, one call per leaf
@@ -107,9 +108,10 @@ def check_call(dp, state, batch, what: str = "batch") -> None:
                 f"{what}{deleted[0] if deleted else ''} is a deleted jax.Array (donated to a program, or deleted): "
                 f"`{what}` must hold live arrays. Pass a batch that no earlier call donated."
             )
-    signature = (treedef, tuple(np.shape(x) for x in leaves))
+    micro = dp.options.accumulate_steps if accumulated else 1
+    signature = (treedef, tuple(np.shape(x) for x in leaves), micro)
     if signature != dp._checked:
-        check_batch(dp, batch, leaves, what)
+        check_batch(dp, batch, leaves, what, micro)
         check_mask(batch, np.shape(leaves[0])[0], every_value=True, what=what)
         dp._checked = signature
     else:
@@ -128,7 +130,7 @@ def check_state(dp, state) -> None:
         )
 
 
-def check_batch(dp, batch, leaves, what: str = "batch") -> None:
+def check_batch(dp, batch, leaves, what: str = "batch", micro_batches: int | None = None) -> None:
     """Every leaf with one leading size that the devices and micro-batches divide; global arrays across processes."""
     if isinstance(batch, list) and batch and all(isinstance(b, Mapping) for b in batch):
         raise TypeError(
@@ -154,7 +156,7 @@ def check_batch(dp, batch, leaves, what: str = "batch") -> None:
                 "devices. Encode it as numbers (e.g. integer ids) or keep it out of the batch."
             )
     (size,) = leading
-    n, k = dp.num_devices, dp.options.accumulate_steps
+    n, k = dp.num_devices, dp.options.accumulate_steps if micro_batches is None else micro_batches
     if size % (n * k):
         raise ValueError(
             f"The global batch size of `{what}` must be divisible by the number of devices times "

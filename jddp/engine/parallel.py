@@ -421,7 +421,7 @@ class DataParallel:
         return self._eval_step(state, batch, "batch")
 
     def _eval_step(self, state: state_lib.TrainState, batch: jt.Batch, what: str) -> metrics_lib.Metrics:
-        checks.check_call(self, state, batch, what)
+        checks.check_call(self, state, batch, what, accumulated=False)
         if step_lib.leading_size(batch) == 0:  # nothing to evaluate: every mean 0 with weight 0
             names = self._device.names.get("eval", ("loss", "examples"))
             packed = jax.device_put(np.zeros(2 * len(names) - 1, np.float32), self._rep)
