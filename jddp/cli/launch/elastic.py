@@ -100,7 +100,7 @@ class Host:
         self.history: list[Round] = []
         self.failures = 0  # rounds that failed first on this node
         self.members: list[rendezvous.Member] = []  # the round's other nodes, by node rank
-        self.admitting = False
+        self.admitting, self.admitting_since = False, 0.0
         self.lost: list[str] = []  # this round's nodes found gone, said once each
         self.round_start = 0.0
         self.why = ""  # why the round being formed was formed
@@ -226,11 +226,19 @@ class Host:
                 m.send({"op": "stop", "round": len(self.history) - 1})
             launcher.group.stop_for_restart()
             return "lost", None
+        if self.admitting and time.monotonic() - self.admitting_since > c.term_timeout:
+            # processes that save nothing on SIGTERM (no jddp.Checkpointer) end now: the round resumes from the last
+            # checkpoint, as after a failure, rather than never admitting the node
+            self.say(f"this node's processes did not end {c.term_timeout:g} s after the SIGTERM: stopping them")
+            for m in self.members:
+                m.send({"op": "stop", "round": len(self.history) - 1})
+            launcher.group.stop_for_restart()
+            return "lost", None
         waiting = [m for m in self.server.alive() if m not in self.members]
         if waiting and not self.admitting and len(self.members) + 1 < c.max_nodes:
             started = launcher.notes.first_step_taken(launcher.attempt_start)
             if started or time.monotonic() - self.round_start > ADMIT_AFTER_S:
-                self.admitting = True
+                self.admitting, self.admitting_since = True, time.monotonic()
                 names = ", ".join(m.name for m in waiting)
                 self.say(
                     f"{names} waiting to join: ending round {len(self.history) - 1} at a step every process agrees "
