@@ -8,7 +8,9 @@ process 0's final parameters (OUT/final.npz). KILL_AT=k: after step k's
 ``maybe_save`` (and the saves in flight are published), SIGKILL this process; KILL_AT=k0,k1,...: at k0 in the
 first attempt, k1 in the second (JDDP_RESTART_COUNT), the last one for the attempts after. Each process appends
 "<attempt> <step>" to OUT/steps<process>.txt for every step it takes (at its ``maybe_save``).
-EVAL_BATCH=n: the evaluation's global batch (16). STEP_SLEEP=s: every step takes s seconds more.
+TRAIN_BATCH=n, EVAL_BATCH=n: the global batches (24, 16); PER_DEVICE_LIMIT=L: the loaders'
+max_per_device_batch_size (padded and accumulated to fit any device count). STEP_SLEEP=s: every step takes s
+seconds more.
 TERM_AT=k: SIGTERM this process just before step k's ``maybe_save`` (a
 preemption: the save is at step k, then exit 75).
 """
@@ -36,7 +38,8 @@ rank = jax.process_index()
 attempt = int(os.environ.get("JDDP_RESTART_COUNT", "0"))
 kills = [int(k) for k in os.environ.get("KILL_AT", "-1").split(",")]  # one per attempt; the last for the rest
 kill_at, term_at = kills[min(attempt, len(kills) - 1)], int(os.environ.get("TERM_AT", "-1"))
-eval_batch = int(os.environ.get("EVAL_BATCH", "16"))  # 12: divisible by 1, 2, 3 and 4 processes
+eval_batch = int(os.environ.get("EVAL_BATCH", "16"))
+train_batch = int(os.environ.get("TRAIN_BATCH", "24"))
 step_sleep = float(os.environ.get("STEP_SLEEP", "0"))  # seconds added to every step (a run long enough to act on)
 steps_taken = open(os.path.join(out, f"steps{rank}.txt"), "a")  # every step this process took, by attempt
 
@@ -84,10 +87,18 @@ params = {
     "b1": np.zeros(config.hidden, np.float32),
     "w2": init.normal(size=(config.hidden, 4)).astype(np.float32) * 0.3,
 }
-dp = jddp.DataParallel(loss_fn, optax.adamw(config.learning_rate), mesh=jddp.data_mesh())
+limit = int(os.environ.get("PER_DEVICE_LIMIT", "0")) or None  # the same batches on any device count (padded)
+train = jddp.data.DataLoader(
+    {"x": x[:240], "y": y[:240]}, global_batch_size=train_batch, seed=3, max_per_device_batch_size=limit
+)
+test = jddp.data.DataLoader(
+    {"x": x[240:], "y": y[240:]}, global_batch_size=eval_batch, shuffle=False, drop_last=False,
+    max_per_device_batch_size=limit,
+)  # fmt: skip
+dp = jddp.DataParallel(
+    loss_fn, optax.adamw(config.learning_rate), mesh=jddp.data_mesh(), accumulate_steps=train.accumulate_steps
+)
 state = dp.init(params, rng=3)
-train = jddp.data.DataLoader({"x": x[:240], "y": y[:240]}, global_batch_size=24, seed=3)
-test = jddp.data.DataLoader({"x": x[240:], "y": y[240:]}, global_batch_size=eval_batch, shuffle=False, drop_last=False)
 log_dir = os.path.join(out, f"log{rank}" if os.environ.get("PER_PROCESS_LOG") else "log")
 ckpt = Interrupted(os.path.join(out, "ckpt"), save_every=4, max_to_keep=2)
 result = fit(
