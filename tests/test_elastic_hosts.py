@@ -1,0 +1,61 @@
+"""Elastic membership across three hosts of the network-namespace bed (``tests/netns_bed.py``): each host its own
+address, one launcher per host with ``--nnodes 2:3``. Host c is lost whole (every process inside it SIGKILLed, its
+launcher too); the run goes on with two; host c comes back as a new launcher and is admitted. The losses and final
+parameters equal those of one process that trained alone, never interrupted (``tests/test_elastic.py``), to float
+round-off: the run is the one that never lost a host."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import netns_bed
+from tests.test_elastic import BATCHES, FIT_TRAIN, alone, assert_same_run, steps_taken  # noqa: F401 (a fixture)
+
+pytestmark = [pytest.mark.multiprocess, netns_bed.SKIP]
+
+BODY = r"""
+out=$1; shift
+common=(-n 1 --devices-per-process 1 --nnodes 2:3 --coordinator "$ADDR_A:29500" --peer-timeout 10 --join-wait 5
+        --kill-grace 1 "$@")
+step_at_least() { awk -v r="$1" -v s="$2" '($1 >= r && $2 >= s) {found = 1} END {exit !found}' "$3" 2>/dev/null; }
+until_() {
+  local i
+  for ((i = 0; i < $1 * 5; i++)); do "${@:2}" && return 0; sleep 0.2; done
+  echo "gave up: ${*:2}" >&2
+  return 1
+}
+launcher a host0 "${common[@]}"
+wait_for host0 "hosts the rendezvous" 60 || exit 1
+launcher b host1 "${common[@]}"
+launcher c host2 "${common[@]}"
+until_ 240 step_at_least 0 8 "$out/steps0.txt" || exit 1
+grep -q "round 0: 3 node(s)" "$logs/host0.log" || { echo "round 0 did not have 3 nodes" >&2; exit 1; }
+kill_host c
+date +%s.%N > "$out/lost_at"
+until_ 120 step_at_least 1 0 "$out/steps0.txt" || exit 1
+date +%s.%N > "$out/training_again_at"
+launcher c host2-back "${common[@]}"
+reap host0 host1 host2-back
+"""
+
+
+def test_three_hosts_lose_one_then_take_it_back_and_train_the_run_that_never_lost_it(tmp_path, alone):  # noqa: F811
+    out = tmp_path / "run"
+    out.mkdir()
+    env = {"STEP_SLEEP": "0.15", **BATCHES}
+    logs = netns_bed.run(tmp_path, BODY, str(out), FIT_TRAIN, str(out), "60", hosts=3, timeout=600, env=env)
+    said = logs["host0"]
+    assert "round 1: 2 node(s), 2 process(es) (a node lost)" in said, said[-4000:]
+    assert "round 2: 3 node(s), 3 process(es) (admitting a node)" in said, said[-4000:]
+    # Host c's processes took no step in round 1 (two hosts); which process id it had depends on the join order.
+    assert {r for rank in (0, 1, 2) for r, _ in steps_taken(out, rank)} == {0, 1, 2}
+    assert sum(1 for rank in (0, 1, 2) if any(r == 1 for r, _ in steps_taken(out, rank))) == 2
+    assert_same_run(out, alone)
+    records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
+    assert rounds == [(0, 3, 3), (1, 2, 2), (2, 3, 3)], rounds
+    lost = float((out / "lost_at").read_text())
+    again = float((out / "training_again_at").read_text())
+    print(f"three hosts: from the loss of host c to training again on two: {again - lost:.1f} s")
