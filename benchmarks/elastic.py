@@ -1,6 +1,7 @@
 """Elastic re-formation time: from a host's loss, or a host's arrival, to the group training again (issue 31).
 
     python -m benchmarks.elastic [--repeats 5] [--seed 0] [--epochs 4] [--save-every 20] [--out FILE]
+        [--scenarios loss,admission] [--keep DIR]
 
 Runs the MNIST-1D MLP (``-m examples.mnist1d.train``, ``configs/mnist1d_mlp.yaml``, ``--epochs`` epochs of 4000
 examples in global batches of 120, which 2 and 3 processes divide; a learning rate of 1e-3, a checkpoint every
@@ -23,21 +24,22 @@ alone and hosts the rendezvous (node 0, process 0: it writes the goodput ledgers
 
 The times come from the goodput ledgers (``jddp.goodput``) and the launchers' output, read as it is written; each
 sample also has the goodput records' time lost to the re-formation: the old attempt's ``recomputed_s``,
-``lost_s`` and ``downtime_s`` and the new one's ``startup_s``, ``restore_s`` and ``compile_s``.
+``lost_s`` and ``downtime_s`` and the new one's ``startup_s``, ``restore_s`` and ``compile_s`` (the JSON holds both
+records' parts).
 
 One unbroken run of three launchers comes first: the reference, which also fills a compilation cache
 (``JDDP_COMPILATION_CACHE``) that every run then uses; the scenarios alternate, ``admission`` first, whose first
 round (two processes) compiles what the ``loss`` scenario's second round runs, so every measured round finds its
-programs in the cache. Each run is checked: the launchers that were not killed exit 0, the membership history is
-the expected one, and the train losses (``metrics.jsonl``, the last record of each step) equal the reference's to
-``rtol=2e-5`` (the global batches do not depend on the number of processes: the run that lost or gained a host is
-the run that did not); the largest relative difference is printed. The learning rate is a third of the example's:
-at its 3e-3, this training turns float round-off into differences past the tolerance, with no membership change
-(an unbroken run of three launchers against one process of three devices: 3e-7 in the train record of step 35,
-2.4e-4 in that of step 75); at 1e-3 the same two runs differ by 4e-8 at most over the 132 steps (both measured on
-26 Nov 2026, 2 CPU cores, load average 10). A run that fails a check is named and left out
-of the figures, and the script then exits 1. Prints each scenario's median, min and max, the parts' medians and the
-load average before and after, and writes every sample to ``--out`` (JSON).
+programs in the cache (with ``--scenarios loss`` alone, the first run's second round compiles them). Each run is
+checked: the launchers that were not killed exit 0, the membership history is the expected one, and the train losses
+(``metrics.jsonl``, the last record of each step) equal the reference's to ``rtol=2e-5`` (the global batches do not
+depend on the number of processes: the run that lost or gained a host is the run that did not); the largest relative
+difference is printed. The learning rate is a third of the example's: at its 3e-3, this training turns float
+round-off into differences past the tolerance, with no membership change (an unbroken run of three launchers against
+one process of three devices: 3e-7 in the train record of step 35, 2.4e-4 in that of step 75); at 1e-3 the same two
+runs differ by 4e-8 at most over the 132 steps (both measured on 26 Nov 2026, 2 CPU cores, load average 10). A run
+that fails a check is named and left out of the figures, and the script then exits 1. Prints each scenario's median,
+min and max of the total and of each part, and the load average before and after, and writes every sample to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from pathlib import Path
 from jddp import goodput, net
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "mnist1d_mlp.yaml"
+CONFIG = "configs/mnist1d_mlp.yaml"  # the launchers run in ROOT
 OUT = ROOT / "benchmarks" / "results" / "elastic.json"
 TRAIN_EXAMPLES, GLOBAL_BATCH = 4000, 120  # 80% of the example's 5000; 120 = 2 * 60 = 3 * 40 per step
 RTOL = 2e-5
@@ -182,7 +184,8 @@ def await_step_then(
     """Waits until round 0 is past ``step``; then kills launcher ``victim`` (``loss``) or starts the third
     (``admission``). Returns the time it did (None: the run ended first)."""
     processes = 3 if scenario == "loss" else 2
-    while launchers[0].popen.poll() is None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while launchers[0].popen.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
         ledgers = sorted((run_dir / "log" / goodput.LEDGER_DIR).glob("*/attempt-*.ledger"))
         if len(ledgers) != 1:
@@ -272,7 +275,18 @@ def check_and_measure(
         "restored_step": new["first_step"],
         "restored_from": goodput.RESTORED_FROM[int(new["restored_from"])],
         "losses": losses,
+        "goodput": {
+            which: {k: records[i][k] for k in (*goodput.PARTS, "round", "nodes", "processes")}
+            for i, which in enumerate(("old", "new"))
+        },
     }
+
+
+def shown(key: str, value: object) -> str:
+    """A sample's value as printed."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.2e}" if key == "max_rel_diff" else f"{value:.2f}"
 
 
 def summary(results: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -351,8 +365,7 @@ def main() -> None:
                 event = f"kill launcher {'abc'[victim]}" if scenario == "loss" else "start the third launcher"
                 print(
                     f"  {scenario}: {event} at step {step} or after: "
-                    + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
-                    + f" (max_rel_diff {r['max_rel_diff']:.2e})",
+                    + ", ".join(f"{k} {shown(k, v)}" for k, v in r.items() if k != "goodput"),
                     flush=True,
                 )
                 if not r["max_rel_diff"] <= RTOL:
@@ -371,7 +384,8 @@ def main() -> None:
         print(f"train losses against the unbroken run's: largest relative difference {max(diffs):.2e} (rtol {RTOL})")
     print(f"load before {' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in load_after)}")
     out = {
-        "args": vars(args),
+        "measured": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count()},
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "keep")},  # no path of this machine
         "settings": settings,
         "load_before": load_before,
         "load_after": load_after,
