@@ -39,7 +39,8 @@ round-off into differences past the tolerance, with no membership change (an unb
 one process of three devices: 3e-7 in the train record of step 35, 2.4e-4 in that of step 75); at 1e-3 the same two
 runs differ by 4e-8 at most over the 132 steps (both measured on 26 Nov 2026, 2 CPU cores, load average 10). A run
 that fails a check is named and left out of the figures, and the script then exits 1. Prints each scenario's median,
-min and max of the total and of each part, and the load average before and after, and writes every sample to ``--out`` (JSON).
+min and max of the total and of each part, and the load average before and after; writes every sample to ``--out``
+(JSON).
 """
 
 from __future__ import annotations
