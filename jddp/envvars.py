@@ -134,9 +134,6 @@ VARIABLES: dict[str, Variable] = _declare(
         internal=True,
     ),
     Variable("JDDP_STDOUT_FD", "int", None, "the pipe for Python's stdout (jddp.cli.output)", internal=True),
-    Variable(
-        "JDDP_LAUNCHER_PID", "int", None, "the launcher whose death ends this process (PR_SET_PDEATHSIG)", internal=True
-    ),
     Variable("JDDP_MEMBERSHIP", "json", None, "an elastic round's membership, JSON (jddp.goodput)", internal=True),
     Variable(
         "JDDP_ATTEMPT_START", "float", None, "when this attempt began", unit="time in seconds since 1970", internal=True

@@ -1,12 +1,11 @@
 """Elastic membership (``jddp launch --nnodes MIN:MAX``) on loopback: three launchers on one machine, one per
-"host", each with one process of one device. A host is lost by SIGKILLing its launcher (its processes end with it);
+"host", each with one process of one device. A host is lost by SIGKILLing its launcher (its processes see it gone);
 it comes back as a new launcher. The training must be the run that never lost a host: the global batches do not
 depend on the number of processes, and every round resumes from the newest checkpoint, so the losses of every step
 and the final parameters equal those of one process that trained alone, to float round-off."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -143,8 +142,8 @@ def test_a_host_lost_then_back_trains_the_run_that_never_lost_it(tmp_path, alone
         c.popen.send_signal(signal.SIGKILL)
         lost_at = time.monotonic()
         c.popen.wait(10)
-        # Its processes end with it (PR_SET_PDEATHSIG): none trains on as a member of the group being re-formed.
-        until(lambda: not any(alive(p) for p in before), 15, launchers)
+        # Its processes see it gone and lose their peers: none trains on as a member of the group being re-formed.
+        until(lambda: not any(alive(p) for p in before), PEER_TIMEOUT + 20, launchers)
         # Round 1: two hosts, resumed from the newest checkpoint; then the host returns and is admitted (round 2).
         resumed_at = until(lambda: any(r == 1 for r, _ in steps_taken(out, 0)), 120, launchers)
         assert not any(r == 1 for r, _ in steps_taken(out, 2))  # process 2 took no step in round 1: two hosts
@@ -208,32 +207,3 @@ def test_below_min_the_run_ends_named_within_the_peer_timeout(tmp_path):
     assert code == exitcodes.EXIT_PEER_LOST, said[-3000:]
     assert "1 node(s) left, below --nnodes MIN=2" in said and "its launcher is gone" in said, said[-3000:]
     assert took < PEER_TIMEOUT + 10, took
-
-
-def test_a_silent_process_ends_with_its_launcher(tmp_path):
-    """PR_SET_PDEATHSIG: a process that prints nothing (so no broken pipe would end it) and is not in a collective (so
-    no peer's loss would) does not outlive its SIGKILLed launcher, which the others' launchers count as gone."""
-    script = tmp_path / "silent.py"
-    script.write_text(
-        "import os, sys, time\nimport jddp\njddp.initialize()\n"
-        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
-    )
-    argv = [sys.executable, "-m", "jddp.launch", "-n", "1", "--devices-per-process", "1", str(script)]
-    launcher = subprocess.Popen(argv, env=multiprocess.environment(), cwd=multiprocess.ROOT, stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
-            assert time.monotonic() < deadline and launcher.poll() is None, "the process never started"
-            time.sleep(0.1)
-        pid = int((tmp_path / "pid").read_text())
-        launcher.kill()
-        launcher.wait(10)
-        deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(pid), "the process outlived its launcher"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        with contextlib.suppress(ValueError, OSError, ProcessLookupError):
-            os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)

@@ -199,9 +199,6 @@ def main(argv: list[str]) -> int:
         print("usage: python -m jddp.cli.spare FD (started by jddp launch)", file=sys.stderr)
         return 2
     channel = socket.socket(fileno=int(argv[0]))
-    from jddp.runtime import distributed
-
-    distributed.die_with_launcher()  # a spare outlives no launcher either
     prepare()
     with contextlib.suppress(OSError):
         channel.sendall(READY)

@@ -121,28 +121,6 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"Environment variable {name}={raw!r} must be an integer.") from None
 
 
-def die_with_launcher() -> None:
-    """Under ``jddp launch``: this process ends (SIGKILL) when its launcher does, by Linux's ``PR_SET_PDEATHSIG``;
-    at once when it is gone already. A launcher is its node's agent: when it is SIGKILLed (or its host lost), its
-    processes must not train on as members of a group that the other launchers re-form without them
-    (``jddp.cli.launch.elastic``). Nothing where ``prctl`` is missing (not Linux)."""
-    launcher = envvars.get("JDDP_LAUNCHER_PID")
-    os.environ.pop("JDDP_LAUNCHER_PID", None)  # not for the processes this one starts: their parent is this one
-    if launcher is None:
-        return
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != launcher:  # the launcher ended before the setting took: nothing would deliver it now
-        os.kill(os.getpid(), 9)  # SIGKILL
-
-
 def _own_stdout() -> bool:
     """Under ``jddp launch``: ``sys.stdout`` moves to the pipe the launcher gave Python alone, so that what C++
     writes to fd 1 (gloo's chatter, from its own threads, cut anywhere) never lands inside a printed line
@@ -309,7 +287,6 @@ def initialize(
         bind_address=bind_address,
         verbose=verbose,
     )
-    die_with_launcher()
     launched = _own_stdout()
     if _group is not None:
         return _group

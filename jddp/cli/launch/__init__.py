@@ -124,7 +124,7 @@ started on the coordinator's host, listening at its port + 1), which numbers the
 at once when a node's launcher is gone, drops a node whose processes failed more than ``--max-restarts`` times,
 admits a node that joins at a step every process agrees on (the preemption save), and ends the run, every launcher
 exiting 69, below MIN nodes. Each process gets ``JDDP_MEMBERSHIP``; see ``jddp.cli.launch.elastic`` and the launch
-guide. A launcher's processes (and spares) end with it, by ``PR_SET_PDEATHSIG`` (``JDDP_LAUNCHER_PID``).
+guide.
 
 From Python: ``launch(config_from_args(get_args_parser().parse_args(argv)))``, or
 ``launch(LaunchConfig(target="train.py", nprocs=2))``; ``launch`` returns the exit

@@ -41,7 +41,7 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
     parser.add_argument(
         "--nnodes",
         type=envvars.node_range(),
-        default=(1, 1),
+        default="1",  # a string: argparse converts it as it converts the flag's value
         metavar="N|MIN:MAX",
         help="number of hosts, one launcher on each (default 1); MIN:MAX: elastic membership, the group re-forms "
         "without a lost host and admits one that (re)joins, between MIN and MAX hosts (see the manual)",

@@ -44,7 +44,6 @@ def base_environment(config: config_lib.LaunchConfig) -> dict[str, str]:
     """Our environment plus what every process gets whatever its role: what a spare starts with."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    env["JDDP_LAUNCHER_PID"] = str(os.getpid())  # its processes end with it (jddp.runtime.distributed)
     if config.malloc_tuning and "GLIBC_TUNABLES" not in env:
         env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
     return env
