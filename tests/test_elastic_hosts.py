@@ -1,6 +1,7 @@
 """Elastic membership across three hosts of the network-namespace bed (``tests/netns_bed.py``): each host its own
 address, one launcher per host with ``--nnodes 2:3``. Host c is lost whole (every process inside it SIGKILLed, its
-launcher too); the run goes on with two; host c comes back as a new launcher and is admitted. The losses and final
+launcher too); the run goes on with two and finishes there, or, in a second run, host c comes back as a new launcher
+and is admitted. The losses and final
 parameters equal those of one process that trained alone, never interrupted (``tests/test_elastic.py``), to float
 round-off: the run is the one that never lost a host."""
 
@@ -36,26 +37,35 @@ kill_host c
 date +%s.%N > "$out/lost_at"
 until_ 120 step_at_least 1 0 "$out/steps0.txt" || exit 1
 date +%s.%N > "$out/training_again_at"
-launcher c host2-back "${common[@]}"
-reap host0 host1 host2-back
+if [ "$RETURNS" = 1 ]; then
+  launcher c host2-back "${common[@]}"
+  reap host0 host1 host2-back
+else
+  reap host0 host1
+fi
 """
 
 
-def test_three_hosts_lose_one_then_take_it_back_and_train_the_run_that_never_lost_it(tmp_path, alone):  # noqa: F811
+@pytest.mark.parametrize("returns", [False, True], ids=["finishes-on-two", "host-returns"])
+def test_three_hosts_lose_one_and_train_the_run_that_never_lost_it(tmp_path, alone, returns):  # noqa: F811
+    """Host c lost whole at step 8 or later; the run finishes on the two left, or host c comes back as a new launcher
+    and is admitted at a step every process agrees on (its checkpoint saved), the run finishing on three."""
     out = tmp_path / "run"
     out.mkdir()
-    env = {"STEP_SLEEP": "0.15", **BATCHES}
+    env = {"STEP_SLEEP": "0.15", "RETURNS": str(int(returns)), **BATCHES}
     logs = netns_bed.run(tmp_path, BODY, str(out), FIT_TRAIN, str(out), "60", hosts=3, timeout=600, env=env)
     said = logs["host0"]
     assert "round 1: 2 node(s), 2 process(es) (a node lost)" in said, said[-4000:]
-    assert "round 2: 3 node(s), 3 process(es) (admitting a node)" in said, said[-4000:]
+    rounds_run = [0, 1, 2] if returns else [0, 1]
+    assert ("round 2: 3 node(s), 3 process(es) (admitting a node)" in said) == returns, said[-4000:]
     # Host c's processes took no step in round 1 (two hosts); which process id it had depends on the join order.
-    assert {r for rank in (0, 1, 2) for r, _ in steps_taken(out, rank)} == {0, 1, 2}
+    assert sorted({r for rank in (0, 1, 2) for r, _ in steps_taken(out, rank)}) == rounds_run
     assert sum(1 for rank in (0, 1, 2) if any(r == 1 for r, _ in steps_taken(out, rank))) == 2
+    assert max(s for r, s in steps_taken(out, 0) if r == rounds_run[-1]) == 60  # finished in the last round
     assert_same_run(out, alone)
     records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
     rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
-    assert rounds == [(0, 3, 3), (1, 2, 2), (2, 3, 3)], rounds
+    assert rounds == [(0, 3, 3), (1, 2, 2), (2, 3, 3)][: len(rounds_run)], rounds
     lost = float((out / "lost_at").read_text())
     again = float((out / "training_again_at").read_text())
     print(f"three hosts: from the loss of host c to training again on two: {again - lost:.1f} s")
