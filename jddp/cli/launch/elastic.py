@@ -76,7 +76,6 @@ class Round:
     nodes: list[str]  # names, node 0 first
     processes: int
     why: str
-    started: float  # wall time
 
     def describe(self) -> str:
         return f"round {self.number}: {len(self.nodes)} node(s), {self.processes} process(es) ({self.why})"
@@ -190,7 +189,7 @@ class Host:
         sizes = [c.nprocs] + [m.nprocs for m in members]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         names = [f"{socket.gethostname()}:{os.getpid()} (node 0)"] + [m.name for m in members]
-        current = Round(number, names, sum(sizes), why, time.time())
+        current = Round(number, names, sum(sizes), why)
         before = self.history[-1] if self.history else None
         self.history.append(current)
         self.members, self.admitting, self.lost = members, False, []

@@ -49,6 +49,17 @@ def encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message).encode() + b"\n"
 
 
+def send(connection: socket.socket, lock: threading.Lock, message: dict[str, Any]) -> bool:
+    """Writes ``message`` as one line (whole: ``lock`` keeps other threads' lines out of it); False once the
+    connection is broken."""
+    with lock:
+        try:
+            connection.sendall(encode(message))
+            return True
+        except OSError:
+            return False
+
+
 def _lines(connection: socket.socket, first: bytes = b""):
     """The JSON objects of the lines that arrive on ``connection`` until it closes (or sends garbage)."""
     buffer = first
@@ -81,7 +92,6 @@ class Member:
     name: str  # what it said it is (its host and pid)
     nprocs: int
     connection: socket.socket
-    joined_at: float  # monotonic
     ready: int = -1  # the round it waits for (-1: none yet)
     heard_at: float = 0.0  # monotonic time of its last line
     gone: str | None = None  # why it is no longer a member (None: it is)
@@ -90,12 +100,7 @@ class Member:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def send(self, message: dict[str, Any]) -> bool:
-        with self.lock:
-            try:
-                self.connection.sendall(encode(message))
-                return True
-            except OSError:
-                return False
+        return send(self.connection, self.lock, message)
 
 
 class Server:
@@ -154,7 +159,7 @@ class Server:
             return
         connection.settimeout(None)
         now = time.monotonic()
-        member = Member(next(self._keys), name[:200], nprocs, connection, now, heard_at=now)
+        member = Member(next(self._keys), name[:200], nprocs, connection, heard_at=now)
         with self.changed:
             self.members[member.key] = member
             self.changed.notify_all()
@@ -287,12 +292,7 @@ class Client:
             self.send({"op": "beat"})
 
     def send(self, message: dict[str, Any]) -> bool:
-        with self._lock:
-            try:
-                self.connection.sendall(encode(message))
-                return True
-            except OSError:
-                return False
+        return send(self.connection, self._lock, message)
 
     def gone(self) -> str | None:
         """Why node 0's rendezvous is gone, or None while it answers."""
