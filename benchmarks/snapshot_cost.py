@@ -20,8 +20,10 @@ The runs of a pair differ by more than the cost on a shared machine (whole runs 
 run the medians of each mode, the snapshots taken, their interval at the end and their own two measures of their
 cost (the threads' time, and the wall time they add to the ``AFTER`` steps after them), beside the cost per
 snapshot the blocks show (the median extra time of an on block over its off block, over the snapshots taken in on
-blocks), then the median on/off ratio over every block pair with its 95% bootstrap interval. ``--budget`` sets
-``snapshot_budget``, ``--after`` ``jddp.checkpoint.snapshot.AFTER``, to compare settings.
+blocks), then over every block pair the median on/off ratio and the ratio of the on blocks' total time to the
+off blocks' (what a run pays), each with its 95% bootstrap interval. ``--budget`` sets ``snapshot_budget``,
+``--after`` ``jddp.checkpoint.snapshot.AFTER``, to compare settings. ``--out FILE`` adds the run's block pairs to
+a JSON file; ``--pooled FILE`` prints the two statistics over every pair saved there, runs pooled.
 """
 
 from __future__ import annotations
@@ -232,11 +234,27 @@ def within(args) -> None:
         )
     if not ratios:
         sys.exit(1)
+    if args.out:
+        pairs = [{"on_ms": a, "off_ms": b} for a, b in zip(on_ms, off_ms, strict=True)]
+        saved = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {"runs": []}
+        saved["runs"].append({"model": args.model, "block": args.block, "load_end": os.getloadavg()[0], "pairs": pairs})
+        Path(args.out).write_text(json.dumps(saved, indent=1) + "\n")
+    report(on_ms, off_ms)
+
+
+def report(on_ms: list[float], off_ms: list[float]) -> None:
+    """Two statistics of the block pairs: the median of the on/off ratios (robust to a block hit by something else)
+    and the ratio of the on blocks' total time to the off blocks' (what a run pays: its wall time), each with a 95%
+    bootstrap interval over the pairs."""
+    ratios = [a / b for a, b in zip(on_ms, off_ms, strict=True)]
     low, high = bootstrap_median(ratios)
+    total = sum(on_ms) / sum(off_ms)
+    t_low, t_high = bootstrap_total(on_ms, off_ms)
     print(
-        f"medians over {len(ratios)} block pairs (load at the end {os.getloadavg()[0]:.2f}): on "
-        f"{statistics.median(on_ms):.3f} ms/step, off {statistics.median(off_ms):.3f} ms/step; on/off per pair: "
-        f"median {statistics.median(ratios):.4f}, 95% bootstrap interval {low:.4f} to {high:.4f}"
+        f"over {len(ratios)} block pairs (load at the end {os.getloadavg()[0]:.2f}): on "
+        f"{statistics.median(on_ms):.3f} ms/step, off {statistics.median(off_ms):.3f} ms/step (medians); on/off per "
+        f"pair: median {statistics.median(ratios):.4f}, 95% bootstrap interval {low:.4f} to {high:.4f}; total time "
+        f"on/off {total:.4f}, 95% bootstrap interval {t_low:.4f} to {t_high:.4f}"
     )
 
 
@@ -252,11 +270,19 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.0, help="--within: snapshot_budget (0: the default)")
     parser.add_argument("--after", type=int, default=0, help="--within: snapshot.AFTER (0: jddp's)")
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="--within: the model")
+    parser.add_argument("--out", default=None, help="--within: a JSON file the block pairs are added to")
+    parser.add_argument("--pooled", default=None, help="print the statistics of the pairs saved in this file, pooled")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.pooled:
+        runs = json.loads(Path(args.pooled).read_text())["runs"]
+        pairs = [pair for run in runs for pair in run["pairs"]]
+        print(f"{args.pooled}: {len(runs)} runs ({', '.join(sorted({r['model'] for r in runs}))})")
+        report([p["on_ms"] for p in pairs], [p["off_ms"] for p in pairs])
         return
     if args.within:
         within(args)
@@ -287,6 +313,14 @@ def main() -> None:
             + f"{statistics.median(r['every'] for r in on):.0f}; median of the {len(ratios)} pairs' ratios "
             + f"{statistics.median(ratios):.3f}, 95% bootstrap interval {low:.3f} to {high:.3f}"
         )
+
+
+def bootstrap_total(on: list[float], off: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of sum(on)/sum(off) over the pairs resampled with replacement."""
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(on), size=(draws, len(on)))
+    totals = np.asarray(on)[pick].sum(axis=1) / np.asarray(off)[pick].sum(axis=1)
+    return float(np.percentile(totals, 2.5)), float(np.percentile(totals, 97.5))
 
 
 def bootstrap_median(values: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float]:
