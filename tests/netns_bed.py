@@ -112,7 +112,7 @@ def run(
     except subprocess.TimeoutExpired as e:
         outcome = f"timed out after {timeout:g} s"
         stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-    found = {p.stem: p.read_text() for p in sorted(logs.glob("*.log"))}
+    found = {p.stem: p.read_text(errors="replace") for p in sorted(logs.glob("*.log"))}
     if outcome != "exit 0":
         shown = "".join(f"\n--- {name} ---\n{text}" for name, text in found.items()) or "\n(no log)"
         pytest.fail(f"sandbox {outcome}:\n{stderr}{shown}")

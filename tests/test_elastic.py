@@ -106,18 +106,6 @@ def train_losses(out: Path) -> dict[int, float]:
     return losses
 
 
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory) -> Path:
-    """The reference: ``fit_train.py`` as one process of one device, never interrupted."""
-    out = tmp_path_factory.mktemp("alone")
-    done = subprocess.run(
-        [sys.executable, FIT_TRAIN, str(out), "60"], capture_output=True, text=True, timeout=300,
-        env=multiprocess.environment(JDDP_LOCAL_DEVICES="1", **BATCHES), cwd=multiprocess.ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
 def assert_same_run(out: Path, alone: Path) -> None:
     mine, reference = train_losses(out), train_losses(alone)
     assert sorted(mine) == sorted(reference)

@@ -10,7 +10,8 @@ first attempt, k1 in the second (JDDP_RESTART_COUNT), the last one for the attem
 "<attempt> <step>" to OUT/steps<process>.txt for every step it takes (at its ``maybe_save``).
 TRAIN_BATCH=n, EVAL_BATCH=n: the global batches (24, 16); PER_DEVICE_LIMIT=L: the loaders'
 max_per_device_batch_size (padded and accumulated to fit any device count). STEP_SLEEP=s: every step takes s
-seconds more.
+seconds more; STEP_SLEEP=s0,s1,...: s0 in the first attempt (an elastic run's round), s1 in the second, the last one
+for the attempts after.
 TERM_AT=k: SIGTERM this process just before step k's ``maybe_save`` (a
 preemption: the save is at step k, then exit 75).
 """
@@ -40,7 +41,8 @@ kills = [int(k) for k in os.environ.get("KILL_AT", "-1").split(",")]  # one per 
 kill_at, term_at = kills[min(attempt, len(kills) - 1)], int(os.environ.get("TERM_AT", "-1"))
 eval_batch = int(os.environ.get("EVAL_BATCH", "16"))
 train_batch = int(os.environ.get("TRAIN_BATCH", "24"))
-step_sleep = float(os.environ.get("STEP_SLEEP", "0"))  # seconds added to every step (a run long enough to act on)
+sleeps = [float(s) for s in os.environ.get("STEP_SLEEP", "0").split(",")]  # one per attempt; the last for the rest
+step_sleep = sleeps[min(attempt, len(sleeps) - 1)]  # seconds added to every step (a run long enough to act on)
 steps_taken = open(os.path.join(out, f"steps{rank}.txt"), "a")  # every step this process took, by attempt
 
 
