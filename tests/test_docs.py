@@ -214,6 +214,15 @@ SKIPPED_COMMANDS = {
     "mpiexec -n 2 python train.py": "needs mpiexec (the jddp[mpi] extra), not installed here; train.py is the user's",
     "srun --mpi=pmi2 -n 2 python train.py": "needs mpi4py over SLURM's PMI2, not set up here; train.py is the user's",
     "srun -n 2 python -m examples.mnist1d.train": "needs a SLURM cluster: tests/test_slurm.py starts one and runs it",
+    "srun -N 3 --ntasks-per-node=1 python -m examples.mnist1d.train": (
+        "needs a SLURM cluster of three nodes: tests/test_slurm_hosts.py starts one in network namespaces"
+    ),
+    "srun -N 3 --ntasks-per-node=1 --no-kill jddp launch --nnodes 2:3 --coordinator node1:29500 -n 1 train.py": (
+        "needs a SLURM cluster of three nodes: tests/test_slurm_hosts.py runs it with tests/workers/fit_train.py"
+    ),
+    "srun -N 1 -w node3 jddp launch --nnodes 2:3 --coordinator node1:29500 -n 1 train.py": (
+        "needs a SLURM cluster of three nodes: tests/test_slurm_hosts.py runs it with tests/workers/fit_train.py"
+    ),
     "jddp launch --nnodes 2:3 --coordinator 10.0.0.1:29500 -n 4 train.py": (
         "needs the hosts and the address 10.0.0.1; tests/test_elastic.py runs three launchers on loopback"
     ),
