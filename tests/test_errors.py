@@ -139,3 +139,29 @@ def test_model_state_that_differs_across_devices_and_cannot_be_averaged_is_named
     with pytest.raises(ValueError, match=r"Model state leaf model_state\['counts'\]\['rows'\] \(dtype=int32\) differs"):
         dp.step(state, {"x": np.arange(16, dtype=np.float32) - 8})
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+GLOO_LOST = (
+    "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer "
+    "[10.231.0.3]:47307"
+)
+
+
+@pytest.mark.parametrize(
+    "error, says, never",
+    [
+        # what gloo raised in a save's all-gather when a host of tests/test_slurm_hosts.py was lost mid-save
+        (ValueError(GLOO_LOST), "a peer process is lost or cut off", "writable"),
+        (RuntimeError("Read error [10.0.0.2]:690: Connection reset by peer"), "peer process is lost", "writable"),
+        (OSError(28, "No space left on device"), "The disk is full", "peer"),
+        (PermissionError(13, "Permission denied"), "writable and has space", "peer"),
+    ],
+)
+def test_a_failed_write_names_its_cause_and_the_fix_for_it(tmp_path, error, says, never):
+    """A checkpoint write that failed says what to fix: a broken exchange between processes is not the disk's
+    fault (the message once sent the user to check the directory), a full disk is, and anything else may be."""
+    from jddp.checkpoint import storage
+
+    text = storage.write_failure(tmp_path, [8], [4, 8], error)
+    assert says in text and never not in text, text
+    assert "step 8" in text and "step 4, is intact" in text, text

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import jax
 
+from jddp.runtime import watchdog
+
 
 def is_remote(path) -> bool:
     return "://" in str(path)
@@ -115,11 +117,15 @@ def write_failure(directory, failed: list[int], published: list[int], error: Exc
     what = " and ".join(f"step {s}" for s in failed) if failed else "a checkpoint"
     done = sorted(s for s in published if s not in failed)
     kept = f"the newest complete checkpoint, step {done[-1]}, is intact" if done else "no earlier checkpoint exists"
-    fix = (
-        "The disk is full: free space there (a smaller max_to_keep keeps fewer steps) or choose another directory"
-        if full
-        else "Check that the directory is writable and has space"
-    )
+    if full:
+        fix = "The disk is full: free space there (a smaller max_to_keep keeps fewer steps) or choose another directory"
+    elif watchdog.is_collective_failure(error):  # the save's exchange between processes, not the disk
+        fix = (
+            "A collective of the save failed: a peer process is lost or cut off (the watchdog names it), not the "
+            "directory"
+        )
+    else:
+        fix = "Check that the directory is writable and has space"
     return (
         f"Writing {what} to checkpoint directory {str(directory)!r} failed ({type(error).__name__}: {text}). "
         f"{fix}; {kept}, and the next save writes the current step again."

@@ -759,14 +759,14 @@ def _install_exit_hooks() -> None:
 
     def excepthook(kind, value, traceback):
         watchdog = _watchdog
-        if watchdog is not None and watchdog.state == STALLED and _is_collective_failure(value):
+        if watchdog is not None and watchdog.state == STALLED and is_collective_failure(value):
             # A peer that stalled with this one exited first: its watchdog ends this process in a moment, and
             # the broken collective is a consequence, not news.
             time.sleep(watchdog.peer_timeout_s)
         previous_hook(kind, value, traceback)
         if watchdog is None or issubclass(kind, KeyboardInterrupt):
             return
-        if _is_collective_failure(value):
+        if is_collective_failure(value):
             # gloo noticed a closed connection before the watchdog noticed the silence; give the watchdog time
             # to name the lost process (it ends this process), and only then blame this process.
             print(
@@ -788,7 +788,8 @@ def _install_exit_hooks() -> None:
     at_shutdown(_exit_if_failed)
 
 
-def _is_collective_failure(error: BaseException) -> bool:
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed on a broken connection (a peer lost or cut off)."""
     # XLA surfaces a broken gloo connection as JaxRuntimeError or, from some call sites, ValueError.
     text = str(error)
     return any(marker in text for marker in ("Gloo", "Connection closed by peer", "Connection reset by peer"))
