@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jddp import exitcodes, net
+from jddp import exitcodes, goodput, net
 from tests import multiprocess
 
 FIT_TRAIN = str(multiprocess.WORKERS / "fit_train.py")
@@ -115,6 +115,14 @@ def assert_same_run(out: Path, alone: Path) -> None:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+def assert_restored_from_memory(records: list[dict]) -> None:
+    """Round 1's goodput record: restored from the in-memory snapshot of round 0's processes ("peer"), not from the
+    disk."""
+    first = next(r for r in records if r.get("split") == "goodput" and r["round"] == 1)
+    assert goodput.RESTORED_FROM[int(first["restored_from"])] == "peer", first
+    print(f"round 1 restored from memory, {int(first.get('recomputed_steps', 0))} step(s) redone")
+
+
 def test_a_host_lost_then_back_trains_the_run_that_never_lost_it(tmp_path, alone):
     port, out = net.free_port(), tmp_path / "run"
     out.mkdir()
@@ -154,6 +162,8 @@ def test_a_host_lost_then_back_trains_the_run_that_never_lost_it(tmp_path, alone
     records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
     rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
     assert rounds == [(0, 3, 3), (1, 2, 2), (2, 3, 3)], rounds
+    # Round 1 restored from the snapshots round 0 left on the hosts that stayed (of another process count)
+    assert_restored_from_memory(records)
     print(f"from the loss to training again: {resumed_at - lost_at:.1f} s")
 
 

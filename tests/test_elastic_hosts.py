@@ -18,7 +18,7 @@ import os
 import pytest
 
 from tests import netns_bed
-from tests.test_elastic import BATCHES, FIT_TRAIN, assert_same_run, steps_taken
+from tests.test_elastic import BATCHES, FIT_TRAIN, assert_restored_from_memory, assert_same_run, steps_taken
 
 pytestmark = [pytest.mark.multiprocess, netns_bed.SKIP]
 
@@ -82,6 +82,7 @@ def test_three_hosts_lose_one_and_train_the_run_that_never_lost_it(tmp_path, alo
     records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
     rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
     assert rounds == [(0, 3, 3), (1, 2, 2), (2, 3, 3)][: len(rounds_run)], rounds
+    assert_restored_from_memory(records)
     lost = float((out / "lost_at").read_text())
     again = float((out / "training_again_at").read_text())
     print(f"three hosts: from the loss of host c to training again on two: {again - lost:.1f} s")

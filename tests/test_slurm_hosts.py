@@ -25,7 +25,7 @@ import pytest
 
 from tests import netns_bed
 from tests.slurm_cluster import unavailable
-from tests.test_elastic import BATCHES, FIT_TRAIN, assert_same_run, steps_taken
+from tests.test_elastic import BATCHES, FIT_TRAIN, assert_restored_from_memory, assert_same_run, steps_taken
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -215,6 +215,7 @@ def test_elastic_under_srun_no_kill_loses_a_host_and_takes_it_back(tmp_path, alo
     records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
     rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
     assert rounds == [(0, 3, 3), (1, 2, 2), (2, 3, 3)], rounds
+    assert_restored_from_memory(records)
     lost = float((out / "lost_at").read_text())
     again = float((out / "training_again_at").read_text())
     print(f"under SLURM: from the loss of host c to training again on two: {again - lost:.1f} s; {logs['codes']}")

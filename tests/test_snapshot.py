@@ -272,6 +272,68 @@ def test_a_sharded_snapshot_is_not_restored_onto_another_device_count_the_disk_i
     ckpt.close()
 
 
+@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["replicated", "zero1"])
+def test_another_process_counts_snapshot_restores_a_new_group_from_memory_then_is_removed(
+    tmp_path, snapshot_dir, shard_optimizer
+):
+    """What an elastic run's next round finds (jddp launch --nnodes MIN:MAX): no snapshot of its own process
+    count, the newer one a group of another count left on the host (here process 1 of 3). Whole leaves restore from
+    it onto 2 devices, bitwise the state trained; ZeRO-1's split ones cannot, and the disk's step is restored, named.
+    Either way the other count's folder is gone after the restore: it holds the round before's timeline."""
+    dp, state, loader = make(4, shard_optimizer)
+    with jddp.Checkpointer(tmp_path / "ckpt", save_every=3, snapshot_every=1) as ckpt:
+        for _, batch in zip(range(5), loader, strict=False):
+            state, _ = dp.step(state, batch)
+            ckpt.maybe_save(state, loader)
+        ckpt._snapshots.wait()
+        folder = ckpt._snapshots.folder
+        ckpt._close(remove_snapshots=False)
+    trained, position = host(state), loader.get_state()
+    left = folder.parent / "process-1-of-3"
+    folder.rename(left)
+    _, fresh, fresh_loader = make(2, shard_optimizer)
+    ckpt = jddp.Checkpointer(tmp_path / "ckpt")
+    if shard_optimizer:
+        with pytest.warns(jddp.CheckpointWarning, match="parts of split leaves"):
+            got, fresh_loader = ckpt.restore_or_init(fresh, fresh_loader)
+        assert (int(got.step), ckpt.restored_from) == (3, "disk")
+    else:
+        got, fresh_loader = ckpt.restore_or_init(fresh, fresh_loader)
+        assert (int(got.step), ckpt.restored_from) == (5, "peer")
+        assert fresh_loader.get_state() == position
+        assert_bitwise(host(got), trained)
+        for a, b in zip(jax.tree.leaves(as_dict(got)), jax.tree.leaves(as_dict(fresh)), strict=True):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    assert not left.exists()
+    ckpt.close()
+
+
+def test_a_config_fingerprint_given_by_fit_reaches_the_snapshots_and_a_restart_restores_from_memory(
+    tmp_path, snapshot_dir
+):
+    """``jddp.fit(config=...)`` fingerprints a Checkpointer made without a config (``jddp.loop._fingerprint``, what
+    fit calls). The snapshots must carry that fingerprint: they once kept the empty one of the Checkpointer's
+    construction, no snapshot matched the restarted process's, and every restart of such a run went to disk."""
+    from jddp import loop
+
+    config = {"lr": 0.01}
+    dp, state, loader = make(4, False)
+    ckpt = jddp.Checkpointer(tmp_path / "ckpt", save_every=3, snapshot_every=1)
+    loop._fingerprint(ckpt, config)
+    for _, batch in zip(range(4), loader, strict=False):
+        state, _ = dp.step(state, batch)
+        ckpt.maybe_save(state, loader)
+    ckpt._snapshots.wait()
+    ckpt._close(remove_snapshots=False)  # as after a crash
+    _, fresh, fresh_loader = make(4, False)
+    again = jddp.Checkpointer(tmp_path / "ckpt")
+    loop._fingerprint(again, config)
+    got, _ = again.restore_or_init(fresh, fresh_loader)
+    assert (int(got.step), again.restored_from) == (4, "memory")
+    assert_bitwise(host(got), host(state))
+    again.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(

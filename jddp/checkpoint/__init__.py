@@ -93,6 +93,10 @@ Guarantees:
   ``restored_from == "memory"``); when some processes hold none (their host
   was replaced), the newest step another process holds is sent to them over
   the devices (``"peer"``; a state split by ZeRO-1 goes to disk instead);
+  when no process holds one of its own process count (an elastic run's next
+  round, ``jddp launch --nnodes MIN:MAX``), the newest step that a group of
+  another count left on the hosts is sent the same way (whole leaves restore
+  onto any count), and those folders are removed once the restore is agreed;
   otherwise the disk as before. Of a replicated state only the first process
   of each host (``$JDDP_LOCAL_RANK`` 0) keeps snapshots, the others restore
   from it as peers: memory per host, 3 x the state (two kept, one being

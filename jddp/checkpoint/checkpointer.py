@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -284,6 +285,21 @@ class Checkpointer:
                         raise
                     time.sleep(0.05)
         return sorted(self._manager.all_steps())
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The config's fingerprint, saved with each checkpoint and snapshot and checked on restore (``jddp.fit``
+        sets it from its ``config`` when the Checkpointer has none)."""
+        return self._fingerprint
+
+    @fingerprint.setter
+    def fingerprint(self, value: str | None) -> None:
+        self._fingerprint = value
+        # the snapshots' headers carry it too: one set later (by fit) must reach them, or no snapshot matches the
+        # restarted process's fingerprint and every restart goes to disk
+        snaps = getattr(self, "_snapshots", None)
+        if snaps is not None:
+            snaps.fingerprint = value
 
     @property
     def snapshot_every(self) -> int | None:
@@ -581,6 +597,8 @@ class Checkpointer:
         failures = []
         self.restored_from = None
         restored = self._restore_from_memory(state)
+        if self._snapshots is not None:  # every process is past the restore's collectives: nobody reads them now
+            self._snapshots.forget_others()
         tried: set[int] = set()
         while restored is None:
             # Read-only, the list is read afresh after a failure: the writer's retention may have removed the step.
@@ -694,18 +712,34 @@ class Checkpointer:
         newest step some process holds, not older than the disk's, sent to every process from the first that
         holds it. Each process of a data-parallel run holds every leaf whole, so any process is every other's
         buddy, at no cost while training; a state split over the processes (ZeRO-1) is restored from disk."""
-        found = snapshot.newest_held(rows) if jax.process_count() > 1 else None
-        if found is None:
-            return None
         from jax.experimental import multihost_utils
 
+        found = snapshot.newest_held(rows) if jax.process_count() > 1 else None
+        other: Path | None = None  # the file of another process count's snapshot, on the holder
+        if found is None:
+            # A group of another process count (an elastic run's next round, jddp launch --nnodes MIN:MAX): the
+            # snapshots the round before left on the hosts, of whole leaves, restore onto any count.
+            others = self._snapshots.others() if self._snapshots is not None else {}
+            row = np.full(1 + 2 * snapshot.KEEP, -1, np.int32)
+            held = list(others)[: 2 * snapshot.KEEP]
+            row[1 : 1 + len(held)] = held
+            other_rows = row[None]
+            if jax.process_count() > 1:
+                with watchdog.waiting():
+                    other_rows = np.array(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
+            other_rows[:, 0] = rows[:, 0]  # each process's newest step on disk, as gathered before
+            found = snapshot.newest_held(other_rows)
+            if found is None:
+                return None
+            if found[1] == jax.process_index():
+                other = others[found[0]]
         step, holder = found
         mine = holder == jax.process_index()
         file, reason = np.zeros(0, np.uint8), None
         if mine:
             assert self._snapshots is not None  # it listed the step
             try:
-                file = self._snapshots.read_for_peers(step, restore.as_dict(state), self.fingerprint)
+                file = self._snapshots.read_for_peers(step, restore.as_dict(state), self.fingerprint, path=other)
             except snapshot.Unusable as error:
                 reason = str(error)
         size = np.asarray([file.size if mine and reason is None else -1], np.int32)

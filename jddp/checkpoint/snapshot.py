@@ -415,21 +415,39 @@ class Snapshots:
         except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
 
-    def read_for_peers(self, step: int, tree: dict, fingerprint: str | None) -> np.ndarray:
+    def read_for_peers(self, step: int, tree: dict, fingerprint: str | None, *, path: Path | None = None) -> np.ndarray:
         """The file of the snapshot at ``step`` as bytes, for processes that hold none (their host's memory was
         lost): checked as ``load`` checks it, and only a snapshot of whole arrays (each process holds one copy of
-        every leaf; a split one, ZeRO-1's, holds only this process's part).
+        every leaf; a split one, ZeRO-1's, holds only this process's part). ``path``: one of ``others()``'s.
 
         Raises:
           Unusable: as ``load``, or when the snapshot holds parts of split leaves.
         """
-        path = self.folder / f"{step}{SUFFIX}"
+        path = path or self.folder / f"{step}{SUFFIX}"
         try:
             file = np.fromfile(path, np.uint8)
             decode(file, step, tree, fingerprint, whole=True)
         except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
         return file
+
+    def others(self) -> dict[int, Path]:
+        """``{step: file}`` of the complete snapshots that processes of another process count left on this host
+        (an elastic run's round before, ``jddp launch --nnodes MIN:MAX``): one per step, newest first."""
+        found: dict[int, Path] = {}
+        for folder in sorted(self.folder.parent.glob("process-*-of-*")):
+            if folder.name.endswith(f"-of-{self.processes}"):
+                continue
+            for name in os.listdir(folder) if folder.is_dir() else []:
+                if name.endswith(SUFFIX) and name[: -len(SUFFIX)].isdigit():
+                    found.setdefault(int(name[: -len(SUFFIX)]), folder / name)
+        return dict(sorted(found.items(), reverse=True))
+
+    def forget_others(self) -> None:
+        """Removes ``others()``'s folders: once a restore is agreed, they hold another round's timeline."""
+        for folder in self.folder.parent.glob("process-*-of-*"):
+            if not folder.name.endswith(f"-of-{self.processes}"):
+                shutil.rmtree(folder, ignore_errors=True)
 
     def drop_after(self, step: int) -> None:
         """Removes this process's snapshots newer than ``step`` (the restored one): another timeline's."""
@@ -463,7 +481,9 @@ def decode(file: np.ndarray, step: int, tree: dict, fingerprint: str | None, *, 
     header = json.loads(file[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length].tobytes())
     if header.get("format") != FORMAT or header.get("step") != step:
         raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
-    here = {"processes": jax.process_count(), "devices": jax.device_count(), "fingerprint": fingerprint}
+    here: dict[str, Any] = {"fingerprint": fingerprint}
+    if not whole:  # a snapshot of whole leaves restores onto any process and device count, as a checkpoint does
+        here.update(processes=jax.process_count(), devices=jax.device_count())
     for name, value in here.items():
         if header.get(name) != value:
             raise Unusable(f"snapshot of step {step} has {name} {header.get(name)!r}, here {value!r}")
