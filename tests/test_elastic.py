@@ -205,3 +205,54 @@ def test_below_min_the_run_ends_named_within_the_peer_timeout(tmp_path):
     assert code == exitcodes.EXIT_PEER_LOST, said[-3000:]
     assert "1 node(s) left, below --nnodes MIN=2" in said and "its launcher is gone" in said, said[-3000:]
     assert took < PEER_TIMEOUT + 10, took
+
+
+def test_a_launcher_waiting_to_be_admitted_when_the_run_finishes_exits_0(tmp_path):
+    """Two of ``--nnodes 2:3`` run; a third joins and waits to be admitted; the run finishes first. The third was
+    told 69, "node 0's launcher ended", as for a failure (seen in ``benchmarks/elastic.py``, an admission that came
+    too late): a job whose run succeeded then fails under a scheduler. It must exit 0, saying the run finished."""
+    done = tmp_path / "done"
+    script = tmp_path / "until_done.py"
+    script.write_text(
+        "import os, time\nimport jddp\njddp.initialize()\nprint('joined', flush=True)\n"
+        f"while not os.path.exists({str(done)!r}):\n    time.sleep(0.1)\n"
+    )
+    port = net.free_port()
+    argv = [
+        sys.executable, "-m", "jddp.launch", "--nnodes", "2:3", "--coordinator", f"127.0.0.1:{port}", "-n", "1",
+        "--devices-per-process", "1", "--join-wait", "1", "--peer-timeout", str(PEER_TIMEOUT), str(script),
+    ]  # fmt: skip
+    logs = {name: tmp_path / f"launcher-{name}.txt" for name in "abc"}
+    launchers: dict[str, subprocess.Popen] = {}
+
+    def start(name: str) -> None:
+        with open(logs[name], "wb") as f:
+            launchers[name] = subprocess.Popen(
+                argv, env=multiprocess.environment(), stdout=f, stderr=subprocess.STDOUT, cwd=multiprocess.ROOT
+            )
+
+    def wait_for(what: str, names: str, count: int = 1) -> None:
+        deadline = time.monotonic() + 120
+        while sum(logs[n].read_text().count(what) for n in names) < count:
+            assert time.monotonic() < deadline, "\n".join(logs[n].read_text() for n in names)
+            time.sleep(0.1)
+
+    try:
+        start("a")
+        deadline = time.monotonic() + 60
+        while not net.answers("127.0.0.1", port + 1):
+            assert time.monotonic() < deadline and launchers["a"].poll() is None, logs["a"].read_text()
+            time.sleep(0.1)
+        start("b")
+        wait_for("joined", "ab", 2)  # round 0 runs, on two
+        start("c")
+        wait_for("waiting for a round", "c")  # c joined the rendezvous: it waits for the next round
+        done.touch()  # the run finishes before any admission (a script without fit is admitted after 10 s)
+        codes = {name: launchers[name].wait(60) for name in "abc"}
+    finally:
+        for launcher in launchers.values():
+            if launcher.poll() is None:
+                launcher.kill()
+    said = {name: logs[name].read_text() for name in "abc"}
+    assert codes == {"a": 0, "b": 0, "c": 0}, said
+    assert "node 0 ended the run: the run finished (exit 0)" in said["c"], said["c"]

@@ -129,8 +129,14 @@ class Host:
                 number += 1
         finally:
             self.say("membership history: " + "; ".join(r.describe() for r in self.history))
+            # A launcher still connected (one waiting to be admitted, one of the round that has not ended yet) ends
+            # with the run: 0 when it finished, else the failure's code (69 when node 0 itself failed)
+            if code == 0:
+                why, told = "the run finished", 0
+            else:
+                why, told = "node 0's launcher ended", code if code else exitcodes.EXIT_PEER_LOST
             for m in self.server.alive():
-                self.server.drop(m, "node 0's launcher ended", code if code else exitcodes.EXIT_PEER_LOST)
+                self.server.drop(m, why, told)
             time.sleep(0.2)  # the last lines reach the others before the connections close
             self.server.close()
 
