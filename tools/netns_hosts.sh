@@ -162,6 +162,9 @@ inside() { # the sandbox's PID 1: a private /run/netns, the hosts, then CMD
   [ $$ = 1 ] || die "_inside is for 'sandbox' only (it mounts over /run/netns)"
   mkdir -p /run/netns
   mount -t tmpfs netns-private /run/netns || die "could not mount a private tmpfs on /run/netns"
+  # A private /dev/shm too: the launchers inside sweep the snapshot directories there of launchers they cannot see
+  # (this sandbox's own PID namespace), which would include those of the processes outside it
+  mount -t tmpfs shm-private /dev/shm || die "could not mount a private tmpfs on /dev/shm"
   setup >&2
   for ((k = 0; k < HOSTS; k++)); do
     letter=${LETTERS[k]}
