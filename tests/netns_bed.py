@@ -20,6 +20,9 @@ interpreter), ``$logs`` (a fresh folder, whose ``*.log`` files ``run`` returns),
   stderr; status 0 when every one exited with 0.
 - ``wait_for NAME REGEX [SECONDS]``: waits until a line of ``$logs/NAME.log`` matches the extended regular
   expression (``grep -E``); status 1, said on stderr, after ``SECONDS`` (120) without one.
+- ``until_ SECONDS CMD...``: runs ``CMD`` every 0.2 s until it succeeds; status 1, said on stderr, after
+  ``SECONDS``. ``step_at_least ROUND STEP FILE``: whether a line "<round> <step>" of ``FILE`` (fit_train.py's
+  steps file) has both at least those.
 - ``kill_host HOST``: SIGKILLs every process inside ``HOST`` (its launcher and its workers), until none is left.
 - ``unplug HOST`` / ``plug HOST``: pulls ``HOST``'s cable / puts it back (its bridge port down / up: packets to
   and from it are dropped, no error).
@@ -78,6 +81,13 @@ wait_for() {
     sleep 0.2
   done
   echo "wait_for: no line matching '$pattern' in $name.log after $seconds s" >&2
+  return 1
+}
+step_at_least() { awk -v r="$1" -v s="$2" '($1 >= r && $2 >= s) {found = 1} END {exit !found}' "$3" 2>/dev/null; }
+until_() {
+  local i
+  for ((i = 0; i < $1 * 5; i++)); do "${@:2}" && return 0; sleep 0.2; done
+  echo "gave up: ${*:2}" >&2
   return 1
 }
 kill_host() { "$NETNS_HOSTS" kill "$1"; }

@@ -26,13 +26,6 @@ BODY = r"""
 out=$1; shift
 common=(-n 1 --devices-per-process 1 --nnodes 2:3 --coordinator "$ADDR_A:29500" --peer-timeout 10 --join-wait 5
         --kill-grace 1 "$@")
-step_at_least() { awk -v r="$1" -v s="$2" '($1 >= r && $2 >= s) {found = 1} END {exit !found}' "$3" 2>/dev/null; }
-until_() {
-  local i
-  for ((i = 0; i < $1 * 5; i++)); do "${@:2}" && return 0; sleep 0.2; done
-  echo "gave up: ${*:2}" >&2
-  return 1
-}
 launcher a host0 "${common[@]}"
 wait_for host0 "hosts the rendezvous" 60 || exit 1
 launcher b host1 "${common[@]}"

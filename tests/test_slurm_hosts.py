@@ -163,13 +163,6 @@ out=$1
 common=(-n 1 --devices-per-process 1 --nnodes 2:3 --coordinator node1:29500 --peer-timeout 10 --join-wait 5
         --kill-grace 1 "$FIT_TRAIN" "$out" 60)
 node_is() { sq sinfo --noheader --nodes "$1" --format "%T" 2>/dev/null | grep -Eqx "$2"; }
-step_at_least() { awk -v r="$1" -v s="$2" '($1 >= r && $2 >= s) {found = 1} END {exit !found}' "$3" 2>/dev/null; }
-until_() {
-  local i
-  for ((i = 0; i < $1 * 5; i++)); do "${@:2}" && return 0; sleep 0.2; done
-  echo "gave up: ${*:2}" >&2
-  return 1
-}
 sq srun -N 3 --ntasks-per-node=1 --no-kill --label "$python" -m jddp.launch "${common[@]}" > "$logs/srun.log" 2>&1 &
 job=$!
 until_ 240 step_at_least 0 8 "$out/steps0.txt" || { show_logs; exit 1; }
