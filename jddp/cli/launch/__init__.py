@@ -136,8 +136,9 @@ This package's docstring is the launcher's manual; its modules hold one job each
 0's coordination service), ``spares`` (spares and standby), ``nodes`` (the other nodes: reports, node 0's service),
 ``notes`` (what the processes tell the launcher), ``failure`` (the first failure, the summary, the exit code),
 ``snapshots`` (the snapshot directory), ``mpi`` (``--transport mpi``), ``rendezvous`` (elastic membership's
-protocol), ``elastic`` (the rounds of ``--nnodes MIN:MAX``) and ``supervisor`` (the attempt loop, ``launch``,
-``main``). The output handling is in ``jddp.cli.output``, the spares' side in ``jddp.cli.spare``.
+protocol), ``elastic`` (the rounds of ``--nnodes MIN:MAX``), ``api`` (what those rounds need of a launcher) and
+``supervisor`` (the attempt loop, ``launch``, ``main``). The output handling is in ``jddp.cli.output``, the spares'
+side in ``jddp.cli.spare``.
 """
 
 from jddp.cli.launch.config import DEFAULT_PEER_TIMEOUT_S, LaunchConfig, command, config_from_args, get_args_parser

@@ -1,8 +1,8 @@
 """The rounds of an elastic run (``--nnodes MIN:MAX``): node 0's launcher forms each round from the launchers
 connected to its rendezvous (``jddp.cli.launch.rendezvous``), the others run the rounds they are given.
 
-A round is one attempt of the fixed-membership launcher (``Launcher.run_once``) with the round's nodes, node rank,
-first process id and number of processes. Node 0 ends a round, and forms the next:
+A round is one attempt of the fixed-membership launcher (``api.RoundLauncher.run_round``) with the round's nodes,
+node rank, first process id and number of processes. Node 0 ends a round, and forms the next:
 
 * at once, when a launcher of the round is gone (its connection closed, or silent for the peer timeout): the
   others' processes are stopped (told ``stop``) and the next round has one node fewer;
@@ -28,16 +28,11 @@ import os
 import signal
 import socket
 import time
-from typing import TYPE_CHECKING
 
 from jddp import exitcodes, net
 from jddp.cli import reports
+from jddp.cli.launch import api, rendezvous, workers
 from jddp.cli.launch import config as config_lib
-from jddp.cli.launch import rendezvous
-
-if TYPE_CHECKING:
-    from jddp.cli.launch import workers
-    from jddp.cli.launch.supervisor import Launcher
 
 # After a round ends, how long node 0 waits for the launchers of that round to say they are ready for the next,
 # beyond the peer timeout and the kill grace: a launcher always ends its round by then, or is gone.
@@ -47,7 +42,7 @@ READY_SLACK_S = 15.0
 ADMIT_AFTER_S = 10.0
 
 
-def run(launcher: Launcher) -> int:
+def run(launcher: api.RoundLauncher) -> int:
     """Runs ``launcher``'s elastic run: as node 0 when the rendezvous address can be bound here, else as a member."""
     c = launcher.config
     assert c.coordinator is not None and c.min_nodes is not None and c.max_nodes is not None  # checked by config
@@ -56,14 +51,14 @@ def run(launcher: Launcher) -> int:
     try:
         server = rendezvous.bind_or_none(*address, silence)
     except OSError as error:
-        launcher.output.say(f"cannot listen for the rendezvous at {address[0]}:{address[1]}: {error}")
+        launcher.say(f"cannot listen for the rendezvous at {address[0]}:{address[1]}: {error}")
         return 1
     if server is not None:
         return Host(launcher, server).run()
     try:
         client = rendezvous.Client(address, f"{socket.gethostname()}:{os.getpid()}", c.nprocs, c.join_timeout, silence)
     except OSError as error:
-        launcher.output.say(str(error))
+        launcher.say(str(error))
         return 1
     return Guest(launcher, client).run()
 
@@ -92,10 +87,10 @@ def membership_environment(current: Round, before: Round | None) -> str:
 class Host:
     """Node 0: the rendezvous, the rounds, and its own processes in each."""
 
-    def __init__(self, launcher: Launcher, server: rendezvous.Server) -> None:
+    def __init__(self, launcher: api.RoundLauncher, server: rendezvous.Server) -> None:
         self.launcher, self.server = launcher, server
         self.base = launcher.config
-        self.say = launcher.output.say
+        self.say = launcher.say
         self.history: list[Round] = []
         self.failures = 0  # rounds that failed first on this node
         self.members: list[rendezvous.Member] = []  # the round's other nodes, by node rank
@@ -107,7 +102,7 @@ class Host:
 
     def run(self) -> int:
         base, launcher = self.base, self.launcher
-        launcher.nodes.reports = self.server  # the failure reports of the rounds arrive here
+        launcher.receive_reports(self.server)  # the failure reports of the rounds arrive here
         self.say(
             f"elastic membership, {base.min_nodes} to {base.max_nodes} nodes: this launcher hosts the rendezvous at "
             f"{base.coordinator} port + 1 (node 0 of every round)"
@@ -120,9 +115,7 @@ class Host:
                     code = members
                     return code
                 self.start_round(number, members, self.why)
-                launcher.round_hook = self.hook
-                outcome, first_failed = launcher.run_once(number)
-                launcher.round_hook = None
+                outcome, first_failed = launcher.run_round(number, self.hook)
                 code, why = self.after_round(number, outcome, first_failed)
                 if code is not None:
                     return code
@@ -211,8 +204,8 @@ class Host:
                     "membership": membership_environment(current, before),
                 }
             )
-        launcher.set_config(dataclasses.replace(c, nnodes=len(sizes), node_rank=0, process_offset=0, world=sum(sizes)))
-        launcher.membership = membership_environment(current, before)
+        config = dataclasses.replace(c, nnodes=len(sizes), node_rank=0, process_offset=0, world=sum(sizes))
+        launcher.set_round(config, membership_environment(current, before))
         self.say(current.describe() + ": " + ", ".join(f"node {i}: {n}" for i, n in enumerate(names)))
         self.round_start = time.monotonic()
 
@@ -229,7 +222,7 @@ class Host:
                 self.say(f"node {rank} ({m.name}) is lost: {m.gone}; ending round {len(self.history) - 1}")
             for m in self.members:
                 m.send({"op": "stop", "round": len(self.history) - 1})
-            launcher.group.stop_for_restart()
+            launcher.stop_for_restart()
             return "lost", None
         if self.admitting and time.monotonic() - self.admitting_since > c.term_timeout:
             # processes that save nothing on SIGTERM (no jddp.Checkpointer) end now: the round resumes from the last
@@ -237,11 +230,11 @@ class Host:
             self.say(f"this node's processes did not end {c.term_timeout:g} s after the SIGTERM: stopping them")
             for m in self.members:
                 m.send({"op": "stop", "round": len(self.history) - 1})
-            launcher.group.stop_for_restart()
+            launcher.stop_for_restart()
             return "lost", None
         waiting = [m for m in self.server.alive() if m not in self.members]
         if waiting and not self.admitting and len(self.members) + 1 < c.max_nodes:
-            started = launcher.notes.first_step_taken(launcher.attempt_start)
+            started = launcher.first_step_taken()
             if started or time.monotonic() - self.round_start > ADMIT_AFTER_S:
                 self.admitting, self.admitting_since = True, time.monotonic()
                 names = ", ".join(m.name for m in waiting)
@@ -249,7 +242,7 @@ class Host:
                     f"{names} waiting to join: ending round {len(self.history) - 1} at a step every process agrees "
                     "on, with its checkpoint saved (SIGTERM to this node's processes: the preemption save)"
                 )
-                launcher.group.signal_all(signal.SIGTERM)
+                launcher.signal_all(signal.SIGTERM)
         return None
 
     def after_round(self, number: int, outcome: str, first_failed: workers.Worker | None) -> tuple[int | None, str]:
@@ -308,10 +301,10 @@ class Host:
 class Guest:
     """A node other than 0: joins node 0's rendezvous and runs the rounds it is given."""
 
-    def __init__(self, launcher: Launcher, client: rendezvous.Client) -> None:
+    def __init__(self, launcher: api.RoundLauncher, client: rendezvous.Client) -> None:
         self.launcher, self.client = launcher, client
         self.base = launcher.config
-        self.say = launcher.output.say
+        self.say = launcher.say
         self.ended: tuple[int, str] | None = None  # node 0's "end" (code, why)
         self.host_gone: str | None = None
 
@@ -324,19 +317,15 @@ class Guest:
                 if isinstance(message, int):
                     return message
                 number = message["round"]
-                launcher.set_config(
-                    dataclasses.replace(
-                        c,
-                        nnodes=message["nnodes"],
-                        node_rank=message["node_rank"],
-                        process_offset=message["process_offset"],
-                        world=message["world"],
-                    )
+                config = dataclasses.replace(
+                    c,
+                    nnodes=message["nnodes"],
+                    node_rank=message["node_rank"],
+                    process_offset=message["process_offset"],
+                    world=message["world"],
                 )
-                launcher.membership = message.get("membership")
-                launcher.round_hook = self.hook
-                outcome, first_failed = launcher.run_once(number)
-                launcher.round_hook = None
+                launcher.set_round(config, message.get("membership"))
+                outcome, first_failed = launcher.run_round(number, self.hook)
                 if self.ended is not None:
                     code, why = self.ended
                     self.say(f"node 0 ended the run: {why} (exit {code})")
@@ -385,7 +374,7 @@ class Guest:
         if gone is not None:
             self.host_gone = gone
             self.say(f"node 0's rendezvous is gone ({gone}): stopping this node's processes")
-            launcher.group.stop_all(self.base.kill_grace)
+            launcher.stop_all(self.base.kill_grace)
             return "lost", None
         message = self.client.next_message(0)
         if message is None:
@@ -393,10 +382,10 @@ class Guest:
         if message.get("op") == "end":
             code = message.get("code")
             self.ended = (code if isinstance(code, int) and not isinstance(code, bool) else 1, str(message.get("why")))
-            launcher.group.stop_all(self.base.kill_grace)
+            launcher.stop_all(self.base.kill_grace)
             return "lost", None
         if message.get("op") == "stop" and message.get("round") == launcher.attempt:  # not a late one of a round before
             self.say("node 0 ended the round: stopping this node's processes")
-            launcher.group.stop_for_restart()
+            launcher.stop_for_restart()
             return "lost", None
         return None

@@ -13,7 +13,19 @@ from jddp import envvars, exitcodes, net
 from jddp.cli import output
 from jddp.cli import spare as spare_lib
 from jddp.cli.launch import config as config_lib
-from jddp.cli.launch import elastic, environment, failure, mpi, nodes, notes, service, snapshots, spares, workers
+from jddp.cli.launch import (
+    elastic,
+    environment,
+    failure,
+    mpi,
+    nodes,
+    notes,
+    rendezvous,
+    service,
+    snapshots,
+    spares,
+    workers,
+)
 
 STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -25,7 +37,8 @@ PREPARE_AFTER_S = 3.0
 class Launcher:
     """One launcher's group of processes across its attempts, composed of its parts: the processes (``group``),
     the coordination service (``services``), the spares (``spares``), the other nodes (``nodes``), the processes'
-    notes (``notes``) and the snapshot directory (``snapshot_dir``)."""
+    notes (``notes``) and the snapshot directory (``snapshot_dir``). It runs the rounds of an elastic run as
+    ``api.RoundLauncher``."""
 
     def __init__(self, config: config_lib.LaunchConfig) -> None:
         self.config = config
@@ -49,6 +62,37 @@ class Launcher:
     def set_config(self, config: config_lib.LaunchConfig) -> None:
         """An elastic round's configuration (its nodes, node rank and process ids), for every part."""
         self.config = self.services.config = self.nodes.config = self.spares.config = config
+
+    # -- the rounds of an elastic run (jddp.cli.launch.elastic): api.RoundLauncher ------------------------------
+    def say(self, message: str) -> None:
+        self.output.say(message)
+
+    def receive_reports(self, server: rendezvous.Server) -> None:
+        self.nodes.reports = server
+
+    def set_round(self, config: config_lib.LaunchConfig, membership: str | None) -> None:
+        self.set_config(config)
+        self.membership = membership
+
+    def run_round(
+        self, number: int, hook: Callable[[], tuple[str, workers.Worker | None] | None]
+    ) -> tuple[str, workers.Worker | None]:
+        self.round_hook = hook
+        ended = self.run_once(number)
+        self.round_hook = None
+        return ended
+
+    def first_step_taken(self) -> bool:
+        return self.notes.first_step_taken(self.attempt_start)
+
+    def stop_for_restart(self) -> None:
+        self.group.stop_for_restart()
+
+    def stop_all(self, kill_grace: float) -> None:
+        self.group.stop_all(kill_grace)
+
+    def signal_all(self, signum: int) -> None:
+        self.group.signal_all(signum)
 
     def restart_follows(self) -> bool:
         """Whether the group starts again after this attempt fails: a restart is left, or the run is elastic (the
