@@ -1,0 +1,157 @@
+"""jddp.placement: the host inventory read from faked driver files and variables, and the placement of processes on
+it, for every platform and mode (8 GPUs, a TPU host, a ROCm host, a CPU host), checked as a partition."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jddp import placement
+from jddp.placement import Inventory
+
+
+def fake_host(root: Path, files: list[str]) -> Path:
+    """A directory that holds ``files`` (paths under a host's ``/``) as empty files or, ending in ``/``, folders."""
+    for name in files:
+        path = root / name
+        if name.endswith("/"):
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+    return root
+
+
+HOSTS = {
+    # name: (files under /, environment, expected platform, expected devices)
+    "8-gpus-proc": (
+        [f"proc/driver/nvidia/gpus/0000:{i:02x}:00.0/" for i in range(8)] + ["dev/nvidiactl", "dev/nvidia-uvm"],
+        {},
+        "cuda",
+        tuple(map(str, range(8))),
+    ),
+    "4-gpus-dev-only": (
+        [f"dev/nvidia{i}" for i in range(4)] + ["dev/nvidiactl", "dev/nvidia-uvm", "dev/nvidia-uvm-tools"],
+        {},
+        "cuda",
+        ("0", "1", "2", "3"),
+    ),
+    "scheduler-gave-2": ([f"dev/nvidia{i}" for i in range(8)], {"CUDA_VISIBLE_DEVICES": "4,5"}, "cuda", ("4", "5")),
+    "gpu-uuids": ([], {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}, "cuda", ("GPU-aa", "GPU-bb")),
+    "cuda-none-visible": ([f"dev/nvidia{i}" for i in range(2)], {"CUDA_VISIBLE_DEVICES": "-1"}, "cpu", ()),
+    "cpu-asked-on-gpu-host": ([f"dev/nvidia{i}" for i in range(8)], {"JAX_PLATFORMS": "cpu"}, "cpu", ()),
+    "tpu-v4": ([f"dev/accel{i}" for i in range(4)], {}, "tpu", ("0", "1", "2", "3")),
+    "tpu-v5e": ([f"dev/vfio/{i}" for i in range(8)] + ["dev/vfio/vfio"], {}, "tpu", tuple(map(str, range(8)))),
+    "rocm": (
+        ["dev/kfd"] + [f"dev/dri/renderD{128 + i}" for i in range(4)] + ["dev/dri/card0"],
+        {},
+        "rocm",
+        ("0", "1", "2", "3"),
+    ),
+    "renders-without-kfd": ([f"dev/dri/renderD{128 + i}" for i in range(2)], {}, "cpu", ()),
+    "cpu": (["dev/null", "proc/"], {}, "cpu", ()),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTS))
+def test_the_inventory_of_a_faked_host(tmp_path, name):
+    files, env, platform, devices = HOSTS[name]
+    found = placement.inventory(env, fake_host(tmp_path, files))
+    assert (found.platform, found.devices) == (platform, devices), found
+
+
+def check_partition(inv: Inventory, placed: tuple[placement.Placement, ...]) -> None:
+    """Every device owned by exactly one process, as many each, each told its own through the driver's variable
+    (none on TPU and CPU), the platform and devices named for the topology line."""
+    assert [p.local_rank for p in placed] == list(range(len(placed)))
+    owned = [d for p in placed for d in p.devices]
+    assert sorted(owned) == sorted(inv.devices), (owned, inv.devices)
+    assert len({len(p.devices) for p in placed}) == 1
+    for p in placed:
+        assert p.env[placement.ENV_PLATFORM] == inv.platform
+        visibility = placement.VISIBILITY.get(inv.platform)
+        if visibility is None:
+            assert not set(p.env) & set(placement.VISIBILITY.values())
+        else:
+            assert p.env[visibility].split(",") == list(p.devices)
+        if inv.platform != "cpu":
+            assert p.env[placement.ENV_DEVICES] == ",".join(p.devices)
+
+
+CASES = [
+    # (inventory, -n, processes) : the defaults and the modes on each platform
+    (Inventory("cuda", tuple(map(str, range(8)))), "auto", 8),
+    (Inventory("cuda", tuple(map(str, range(8)))), "device", 8),
+    (Inventory("cuda", tuple(map(str, range(8)))), "host", 1),
+    (Inventory("cuda", tuple(map(str, range(8)))), 4, 4),
+    (Inventory("cuda", ("4", "5")), "auto", 2),
+    (Inventory("rocm", ("0", "1", "2", "3")), "auto", 4),
+    (Inventory("tpu", ("0", "1", "2", "3")), "auto", 1),
+    (Inventory("tpu", ("0", "1", "2", "3")), "host", 1),
+    (Inventory("cpu"), "auto", 1),
+    (Inventory("cpu"), "host", 1),
+    (Inventory("cpu"), 3, 3),
+]
+
+
+@pytest.mark.parametrize(
+    ("inv", "nprocs", "count"), CASES, ids=[f"{c[0].platform}{len(c[0].devices)}-{c[1]}" for c in CASES]
+)
+def test_placement_by_platform_and_mode(inv, nprocs, count):
+    placed = placement.place(nprocs, inv)
+    assert len(placed) == count
+    check_partition(inv, placed)
+
+
+def test_eight_gpus_one_process_each_sees_only_its_own():
+    placed = placement.place("auto", Inventory("cuda", tuple(map(str, range(8)))))
+    assert [dict(p.env) for p in placed] == [
+        {"JDDP_PLATFORM": "cuda", "JDDP_DEVICES": str(i), "CUDA_VISIBLE_DEVICES": str(i)} for i in range(8)
+    ]
+
+
+@given(devices=st.integers(1, 16), nprocs=st.integers(1, 16))
+def test_a_count_places_iff_it_divides_the_gpus(devices, nprocs):
+    inv = Inventory("cuda", tuple(map(str, range(devices))))
+    if devices % nprocs:
+        with pytest.raises(ValueError, match=rf"-n {nprocs} does not divide this host's {devices} cuda devices"):
+            placement.place(nprocs, inv)
+    else:
+        check_partition(inv, placement.place(nprocs, inv))
+
+
+@pytest.mark.parametrize(
+    ("inv", "nprocs", "kwargs", "match"),
+    [
+        (Inventory("cpu"), "device", {}, r"-n device puts one process on each accelerator, but this host has none"),
+        (Inventory("tpu", ("0", "1", "2", "3")), "device", {}, r"-n device would start 4 processes on this TPU host"),
+        (Inventory("tpu", ("0", "1", "2", "3")), 2, {}, r"-n 2 would start 2 processes on this TPU host"),
+        (
+            Inventory("cuda", ("0", "1")),
+            "auto",
+            {"devices_per_process": 4},
+            r"--devices-per-process=4 simulates CPU devices, but this host's platform is cuda with 2 device",
+        ),
+    ],
+    ids=["device-on-cpu", "device-on-tpu", "count-on-tpu", "simulated-on-gpu"],
+)
+def test_placements_that_cannot_be_made_are_refused_by_name(inv, nprocs, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        placement.place(nprocs, inv, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"platform": "gpu"}, r"`platform` must be one of .* got platform='gpu'"),
+        ({"platform": "cuda"}, r"an inventory of platform='cuda' needs its devices"),
+        ({"platform": "cuda", "devices": ("0", "0")}, r"`devices` lists a device twice"),
+    ],
+    ids=["unknown-platform", "accelerator-without-devices", "twice"],
+)
+def test_an_inventory_that_cannot_be_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Inventory(**kwargs)
