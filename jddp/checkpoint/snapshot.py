@@ -15,27 +15,14 @@ the oldest one, renamed, reused in place) and renamed to ``<step>.snap`` once co
 the complete ones intact and a ``writing.tmp`` that nobody reads. Keeping two complete ones means that processes
 whose writers are one snapshot apart still share a step.
 
-A file: 8 bytes (little-endian header length), the header (JSON: the step, the process and device counts, the
-config fingerprint, every leaf's path, shape and dtype, every local shard's index, offset and size, a CRC-32 of the
-data, the loader position and ``extra``), then the data: the process's local shards (one copy of a replicated leaf,
-each distinct shard of a split one), as bytes.
+A file's format is ``jddp.checkpoint.snapshot_format``'s.
 
 The cost: at a snapshot step, the main thread dispatches one program per local device that copies the shards into
 one byte buffer (a copy no later step can donate), and hands it to a writer thread, which waits for it, takes its
 CRC-32 and writes it to the file. The main thread flattens the state once per snapshot (an NNX state's flattening
 runs in Python, per variable); which shards go where, and the header's JSON of it, are worked out once per state
-structure and shardings (``benchmarks/snapshot_profile.py`` times each phase). The snapshot interval adapts to what
-this costs: ``Snapshots.proposal`` is the number of steps between snapshots that keeps the measured time within
-``budget`` of the step time; the processes agree on the largest proposal at their preemption exchanges
-(``jddp.checkpoint.preemption``), so that they all take snapshots at the same steps. A snapshot's cost is the larger
-of two measures: the time it takes of the main and writer threads, and what it adds to the wall time of the
-``AFTER`` steps that follow it, over the time of steps further from any snapshot (``Snapshots.note_step``). The
-second is what the run pays: the copy program and the writer also take cores that the step's own threads, or another
-process of the host, would use (the MNIST-1D MLP under ``jddp launch -n 2`` on 2 cores: 2.5 to 3.9 ms by the first,
-6.7 to 9.2 ms by the second; ``benchmarks/snapshot_cost.py --within``). The main thread runs steps ahead of the
-devices (``max_inflight``), so the steps its clock sees slowed come up to 5 after the snapshot: ``AFTER`` is 6 (over
-3 steps the second measure saw a quarter of the cost, and the snapshots took 2.3% of the step time at a budget of
-1%). A step's time disturbed by a disk save (``disturbed``) counts in neither.
+structure and shardings (``benchmarks/snapshot_profile.py`` times each phase). The steps between snapshots adapt
+to what this costs: ``jddp.checkpoint.snapshot_interval``.
 """
 
 from __future__ import annotations
@@ -44,7 +31,6 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import struct
@@ -55,24 +41,22 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jddp import envvars
+from jddp.checkpoint import snapshot_format, snapshot_interval
 from jddp.checkpoint.errors import CheckpointWarning
 
-FORMAT = 1
 KEEP = 2  # complete snapshots kept per process
 SUFFIX = ".snap"
 WRITING = "writing.tmp"
 SPARE = "spare.tmp"  # the oldest snapshot's file, kept for the next write to reuse its pages
-MAX_INTERVAL = 10_000
-AFTER = 6  # the steps after a snapshot whose wall time counts toward its cost (its copy and write overlap them)
-_HEADER_LENGTH = struct.Struct("<Q")
-
-
-class Unusable(Exception):
-    """A snapshot that cannot be restored here; the message says why."""
+# the format's and the interval's names, where they were first defined
+FORMAT = snapshot_format.FORMAT
+Unusable = snapshot_format.Unusable
+decode = snapshot_format.decode
+MAX_INTERVAL = snapshot_interval.MAX_INTERVAL
+AFTER = snapshot_interval.AFTER
 
 
 def root() -> Path | None:
@@ -108,76 +92,6 @@ def newest_held(rows: np.ndarray) -> tuple[int, int] | None:
     return step, min(p for s, p in held if s == step)
 
 
-def _normal_index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """A shard's index (slices) as ``((start, stop), ...)`` per dimension."""
-    return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
-
-
-def _as_bytes(x: jax.Array) -> jax.Array:
-    """``x``'s bytes, flat, as uint8 (bit-exact; a bool as 0/1)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8).ravel()
-    return jax.lax.bitcast_convert_type(x, jnp.uint8).ravel()
-
-
-@jax.jit
-def _pack(shards: list[jax.Array]) -> jax.Array:
-    """The shards of one device, their bytes one after the other: a new buffer that no later step donates."""
-    return jnp.concatenate([_as_bytes(x) for x in shards]) if shards else jnp.zeros((0,), jnp.uint8)
-
-
-@dataclasses.dataclass
-class _Layout:
-    """Which local shards a state's snapshot holds, and where: computed once per state structure and shardings."""
-
-    leaves: list[list]  # [path, shape, dtype, key implementation or None]
-    shards: list[list]  # [leaf, index, device position, offset in its device's buffer, nbytes]
-    # per device, in buffer order: (leaf, its local shard's position, or None where the leaf is on this one device
-    # alone, and whether it is a PRNG key, whose key data is copied)
-    picks: list[list[tuple[int, int | None, bool]]]
-    whole: bool  # every leaf whole (replicated): every process of the host holds the same snapshot
-    text: str = dataclasses.field(init=False)  # the header's "leaves" and "shards" as JSON, without its braces
-
-    def __post_init__(self) -> None:
-        self.text = json.dumps({"leaves": self.leaves, "shards": self.shards})[1:-1]
-
-
-def _layout(tree) -> _Layout:
-    paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    leaves, shards, picks = [], [], []
-    device_at: dict[Any, int] = {}
-    offsets: list[int] = []
-    for i, (path, x) in enumerate(paths_leaves):
-        impl = None
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            impl = str(jax.random.key_impl(x))
-            data_dtype = jax.random.key_data(x).dtype
-            data_shape = tuple(x.shape) + tuple(jax.random.key_data(x).shape[x.ndim :])
-        else:
-            data_dtype, data_shape = x.dtype, tuple(x.shape)
-        leaves.append([jax.tree_util.keystr(path), list(data_shape), str(jnp.dtype(data_dtype)), impl])
-        seen = set()
-        for position, shard in enumerate(x.addressable_shards):
-            # a PRNG key array's shard index may also cover its key data's dimensions (JAX 0.10 does): those are whole
-            index = _normal_index(tuple(shard.index)[: x.ndim], tuple(x.shape)) + tuple(
-                (0, n) for n in data_shape[x.ndim :]
-            )
-            if index in seen:
-                continue
-            seen.add(index)
-            if shard.device not in device_at:
-                device_at[shard.device] = len(picks)
-                picks.append([])
-                offsets.append(0)
-            d = device_at[shard.device]
-            nbytes = math.prod(b - a for a, b in index) * jnp.dtype(data_dtype).itemsize
-            shards.append([i, [list(p) for p in index], d, offsets[d], nbytes])
-            picks[d].append((i, position if len(x.sharding.device_set) > 1 else None, impl is not None))
-            offsets[d] += nbytes
-    whole = all([list(p) for p in index] == [[0, n] for n in leaves[leaf][1]] for leaf, index, *_ in shards)
-    return _Layout(leaves, shards, picks, whole)
-
-
 class _Clock:
     """Times a snapshot's phases into ``record`` (phase: [(seconds of wall time, of this thread's time)]), when
     given (``Snapshots.phases``: ``benchmarks/snapshot_profile.py``); else does nothing."""
@@ -200,10 +114,10 @@ class _Pending:
     step: int
     buffers: list[jax.Array]
     header: dict  # without the layout's part
-    layout: _Layout
+    layout: snapshot_format.Layout
 
 
-class Snapshots:
+class Snapshots(snapshot_interval.Interval):
     """One process's snapshots for one ``Checkpointer``; see the module docstring."""
 
     def __init__(
@@ -213,74 +127,18 @@ class Snapshots:
         self.folder = Path(base) / _key(directory) / f"process-{self.process}-of-{self.processes}"
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / WRITING).unlink(missing_ok=True)  # a write a kill interrupted: never read
+        super().__init__(budget=budget, every=every)
         self.fingerprint = fingerprint
-        self.budget = budget
-        self.every = every
         # jddp launch's index of this process on its host: of a replicated state, the processes of a host would
         # keep the same snapshot, so only the first does (the others get it from it at a restart: "peer")
         self.local_rank = envvars.get("JDDP_LOCAL_RANK")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jddp-snapshot")
         self._pending: concurrent.futures.Future | None = None
-        self._layouts: dict[Any, _Layout] = {}
-        self._first = True
-        self._cost_s: float | None = None  # per snapshot: main thread + writer thread + waiting for it
-        self._wall_cost_s: float | None = None  # per snapshot: the wall time it adds to the steps after it
-        self._step_s: float | None = None  # wall time per step, between calls of `note_step`
-        self._clean_s: float | None = None  # the same, of steps more than AFTER steps from a snapshot
-        self._last_call: tuple[int, float] | None = None
-        self._taken_at: int | None = None  # the step of the last snapshot
-        self._added_s = 0.0  # the wall time the steps since it took beyond `_clean_s`, so far
-        self._disturbed_until = -1  # steps up to this one are not measured (a disk save's)
-        self._clock = time.perf_counter  # the steps' clock (a test's own)
+        self._layouts: dict[Any, snapshot_format.Layout] = {}
         self.taken = 0
         self.failed = 0
-        self.seconds = 0.0
         self.closed = False
         self.phases: dict[str, list[tuple[float, float]]] | None = None  # set: each snapshot's phases timed
-
-    # -------------------------------------------------------------- the interval
-    def note_step(self, step: int) -> None:
-        """Called once per step, before the step's snapshot if any: the step time the interval is measured
-        against, and the wall time the last snapshot added to the steps after it."""
-        now = self._clock()
-        last, self._last_call = self._last_call, (step, now)
-        if last is None or step <= last[0]:
-            return
-        per_step = (now - last[1]) / (step - last[0])
-        self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
-        since = step - self._taken_at if self._taken_at is not None else None
-        if step <= self._disturbed_until or step - last[0] > 1:
-            if since is not None and since <= AFTER:
-                self._taken_at = None  # this snapshot's steps are not all measured: no wall cost from it
-            return
-        if since is None or since > AFTER:
-            self._clean_s = per_step if self._clean_s is None else 0.8 * self._clean_s + 0.2 * per_step
-        elif self._clean_s is not None:
-            self._added_s += per_step - self._clean_s
-            if since == AFTER:
-                added = max(self._added_s, 0.0)
-                self._wall_cost_s = added if self._wall_cost_s is None else 0.8 * self._wall_cost_s + 0.2 * added
-
-    def disturbed(self, step: int) -> None:
-        """The steps through ``step + AFTER`` also carry other work (a disk save at ``step``): not measured."""
-        self._disturbed_until = step + AFTER
-
-    def proposal(self) -> int:
-        """The steps between snapshots that keep their measured cost within ``budget`` of the step time (or the
-        fixed ``every``)."""
-        if self.every is not None:
-            return self.every
-        if self._cost_s is None or not self._step_s:
-            return 1
-        cost = max(self._cost_s, self._wall_cost_s or 0.0)
-        return int(min(max(math.ceil(cost / (self.budget * self._step_s)), 1), MAX_INTERVAL))
-
-    def _measured(self, seconds: float) -> None:
-        self.seconds += seconds
-        if self._first:  # the first one compiles the copy program: not what the next ones cost
-            self._first = False
-            return
-        self._cost_s = seconds if self._cost_s is None else 0.8 * self._cost_s + 0.2 * seconds
 
     # -------------------------------------------------------------- taking
     def take(self, step: int, tree: dict, loader_state: Any, extra_state: Any) -> None:
@@ -296,12 +154,11 @@ class Snapshots:
         signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))  # a layout is all three
         layout = self._layouts.get(signature)
         if layout is None:
-            layout = self._layouts[signature] = _layout(tree)
+            layout = self._layouts[signature] = snapshot_format.shard_layout(tree)
         clock("signature")
         if layout.whole and self.local_rank:
             return
-        # its wall cost is measured over the next AFTER steps (not the first's: it compiles the copy program)
-        self._taken_at, self._added_s = (None if self._first else step), 0.0
+        self._started(step)
         buffers = []
         for picks in layout.picks:
             parts = []
@@ -309,10 +166,10 @@ class Snapshots:
                 data = leaves[i] if position is None else leaves[i].addressable_data(position)
                 parts.append(jax.random.key_data(data) if key else data)
             clock("shards")
-            buffers.append(_pack(parts))
+            buffers.append(snapshot_format.pack(parts))
             clock("dispatch")
         header = {
-            "format": FORMAT,
+            "format": snapshot_format.FORMAT,
             "step": step,
             "process": self.process,
             "processes": self.processes,
@@ -360,7 +217,7 @@ class Snapshots:
         header = dict(pending.header, crc32=crc, sizes=[int(h.nbytes) for h in hosts], time=time.time())
         text = (json.dumps(header)[:-1] + ", " + pending.layout.text + "}").encode()  # the layout's JSON made once
         clock("json")
-        start = _HEADER_LENGTH.size + len(text)
+        start = snapshot_format.HEADER_LENGTH.size + len(text)
         total = start + sum(h.nbytes for h in hosts)
         target = self.folder / WRITING
         spare = self.folder / SPARE
@@ -369,7 +226,7 @@ class Snapshots:
         fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, total)
-            os.pwrite(fd, _HEADER_LENGTH.pack(len(text)) + text, 0)
+            os.pwrite(fd, snapshot_format.HEADER_LENGTH.pack(len(text)) + text, 0)
             offset = start
             for h in hosts:
                 if h.nbytes:
@@ -469,64 +326,3 @@ class Snapshots:
                 self.folder.parent.rmdir()  # the last process's removal empties it
             except OSError:
                 pass
-
-
-def decode(file: np.ndarray, step: int, tree: dict, fingerprint: str | None, *, whole: bool = False):
-    """``(arrays by field in tree's shardings, loader position, extra state)`` of a snapshot file's bytes.
-
-    Raises:
-      Unusable: see ``Snapshots.load``; with ``whole``, also for a snapshot that holds parts of split leaves.
-    """
-    (length,) = _HEADER_LENGTH.unpack_from(file.data, 0)
-    header = json.loads(file[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length].tobytes())
-    if header.get("format") != FORMAT or header.get("step") != step:
-        raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
-    here: dict[str, Any] = {"fingerprint": fingerprint}
-    if not whole:  # a snapshot of whole leaves restores onto any process and device count, as a checkpoint does
-        here.update(processes=jax.process_count(), devices=jax.device_count())
-    for name, value in here.items():
-        if header.get(name) != value:
-            raise Unusable(f"snapshot of step {step} has {name} {header.get(name)!r}, here {value!r}")
-    layout = _layout(tree)
-    if [lf[:3] for lf in header["leaves"]] != [lf[:3] for lf in layout.leaves]:
-        raise Unusable(f"snapshot of step {step} holds another state (leaves' paths, shapes or dtypes differ)")
-    start = _HEADER_LENGTH.size + length
-    data = file[start : start + sum(header["sizes"])]
-    if data.size != sum(header["sizes"]):
-        raise Unusable(f"snapshot of step {step} is cut short ({file.size} bytes)")
-    if zlib.crc32(data.data) != header["crc32"]:
-        raise Unusable(f"snapshot of step {step} is damaged (CRC-32 mismatch)")
-    if whole and any(
-        list(map(tuple, index)) != [(0, n) for n in header["leaves"][leaf][1]] for leaf, index, *_ in header["shards"]
-    ):
-        raise Unusable(f"snapshot of step {step} holds parts of split leaves (ZeRO-1): it restores only its process")
-    device_starts = np.cumsum([0, *header["sizes"]])
-    by_leaf: dict[int, dict[tuple, np.ndarray]] = {}
-    for leaf, index, device, offset, nbytes in header["shards"]:
-        name, _, dtype, _ = header["leaves"][leaf]
-        shape = tuple(b - a for a, b in index)
-        raw = data[device_starts[device] + offset : device_starts[device] + offset + nbytes]
-        value = raw.astype(np.bool_) if dtype == "bool" else raw.view(jnp.dtype(dtype))
-        by_leaf.setdefault(leaf, {})[tuple(tuple(p) for p in index)] = value.reshape(shape)
-    leaves, treedef = jax.tree.flatten(tree)
-    out = []
-    for i, x in enumerate(leaves):
-        shards = by_leaf.get(i, {})
-        impl = header["leaves"][i][3]
-        extra_dims = tuple((0, n) for n in header["leaves"][i][1][x.ndim :])
-
-        def piece(index, x=x, shards=shards, extra_dims=extra_dims):
-            key = _normal_index(index, tuple(x.shape)) + extra_dims
-            if key not in shards:
-                raise Unusable(f"snapshot of step {step} lacks the shard {key} of a leaf (another sharding)")
-            return shards[key]
-
-        if impl is not None:
-            data_shape = tuple(header["leaves"][i][1])
-            sharding = jax.random.key_data(x).sharding
-            rank = x.ndim
-            raw = jax.make_array_from_callback(data_shape, sharding, lambda index, p=piece, r=rank: p(index[:r]))  # pyright: ignore[reportOptionalSubscript]
-            out.append(jax.random.wrap_key_data(raw, impl=jax.random.key_impl(x)))
-        else:
-            out.append(jax.make_array_from_callback(tuple(x.shape), x.sharding, piece))
-    return jax.tree.unflatten(treedef, out), header.get("loader"), header.get("extra")
