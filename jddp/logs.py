@@ -20,19 +20,19 @@ import os
 import sys
 from pathlib import Path
 
+from jddp import run_ids
+
 METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR = "metrics.jsonl", "loss.png", "tensorboard"
 OTHER_RUNS = ("apart", "refuse")  # fit's `other_runs`
 
 
 def check_other_runs(log_dir: Path, run: str, other_runs: str) -> None:
     """Raises ``ValueError`` if ``other_runs="refuse"`` and ``log_dir`` holds records or ledgers of a run other
-    than ``run`` (before anything is written)."""
-    from jddp import goodput
-
+    than ``run`` (before anything is written): the runs of ``metrics.jsonl`` and of ``jddp.run_ids.runs``."""
     if other_runs != "refuse":
         return
     found = {str(r.get("run", "(no run id: an older jddp)")) for r in read_metrics(log_dir / METRICS_FILE)}
-    found |= set(goodput.runs(log_dir))
+    found |= set(run_ids.runs(log_dir))
     found.discard(run)
     if found:
         raise ValueError(

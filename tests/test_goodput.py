@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jddp import goodput, logs
+from jddp import goodput, goodput_ledger, logs
 from tests import multiprocess
 
 FIT_TRAIN = str(multiprocess.WORKERS / "fit_train.py")
@@ -140,7 +140,7 @@ def test_the_total_telescopes_over_attempts():
 def test_the_ledger_file_keeps_what_was_written_and_each_attempt_gets_its_own(tmp_path, monkeypatch):
     monkeypatch.setenv("JDDP_ATTEMPT_START", "1000.5")
     monkeypatch.setenv("JDDP_PREVIOUS_END", "999.0")
-    monkeypatch.setattr(goodput, "_last_fit_end", None)
+    monkeypatch.setattr(goodput_ledger, "_last_fit_end", None)
     first = goodput.Ledger(tmp_path, 0)
     first.start_at(8)
     first.update(12, 4, {"step_s": 1.25, "eval_s": 0.5})
