@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jddp
-from jddp.data import loader as loader_lib
+from jddp.data import reading
 from jddp.data.sampler import DistributedBatchSampler
 from tests import models
 
@@ -114,13 +114,13 @@ def double_with_noise(example, rng):
 def test_per_example_transform_does_not_depend_on_the_process_count():
     data = source(64)
     one = DistributedBatchSampler(64, global_batch_size=16, seed=1)
-    read_one = loader_lib._ReadBatch(data, one, double_with_noise, None).batch
+    read_one = reading.ReadBatch(data, one, double_with_noise, None).batch
     for position in (0, 5):
         whole = read_one(position)
         parts = []
         for rank in range(4):
             s = DistributedBatchSampler(64, global_batch_size=16, seed=1, num_replicas=4, rank=rank)
-            parts.append(loader_lib._ReadBatch(data, s, double_with_noise, None).batch(position))
+            parts.append(reading.ReadBatch(data, s, double_with_noise, None).batch(position))
         np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), whole["x"])
         assert not np.allclose(whole["x"], 2 * data["x"][one.local_batch(position).indices])
 
@@ -134,7 +134,7 @@ def test_the_same_example_draws_new_randomness_every_epoch(shuffle):
     """An example's transform ``rng`` changes with the epoch (also when the order does not) and repeats on a re-read."""
     data = {**source(64), "id": np.arange(64, dtype=np.int32)}
     sampler = DistributedBatchSampler(64, global_batch_size=16, seed=1, shuffle=shuffle)
-    read = loader_lib._ReadBatch(data, sampler, noise_of, None).batch
+    read = reading.ReadBatch(data, sampler, noise_of, None).batch
 
     def epoch_noise(epoch: int) -> np.ndarray:
         batches = [read(epoch * len(sampler) + b) for b in range(len(sampler))]
@@ -156,7 +156,7 @@ def test_batch_transform_gets_a_generator_of_seed_position_and_process():
     """Its output is what the step sees; its rng repeats on a re-read and changes with the position."""
     data = source(64)
     sampler = DistributedBatchSampler(64, global_batch_size=16, seed=1, num_replicas=2, rank=1)
-    read = loader_lib._ReadBatch(data, sampler, None, jitter).batch
+    read = reading.ReadBatch(data, sampler, None, jitter).batch
     first, again, later = read(0), read(0), read(4)
     np.testing.assert_array_equal(first["x"], again["x"])
     rows = data["x"][sampler.local_batch(0).indices]
@@ -167,8 +167,8 @@ def test_batch_transform_gets_a_generator_of_seed_position_and_process():
 
 def test_plain_arrays_and_records_are_read_as_x():
     x = np.arange(10, dtype=np.float32)
-    np.testing.assert_array_equal(loader_lib.read(x, np.array([3, 1]))["x"], [3.0, 1.0])
-    np.testing.assert_array_equal(loader_lib.read(list(x), np.array([2]))["x"], [2.0])
+    np.testing.assert_array_equal(reading.read(x, np.array([3, 1]))["x"], [3.0, 1.0])
+    np.testing.assert_array_equal(reading.read(list(x), np.array([2]))["x"], [2.0])
 
 
 class CountingSource:
@@ -213,7 +213,7 @@ def mixed_source(n: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("read_bytes", [1, 2200, 1 << 20], ids=["1-batch-reads", "3-batch-reads", "whole-epoch"])
 def test_blocks_of_any_size_give_the_sampler_rows(monkeypatch, read_bytes):
-    monkeypatch.setattr(loader_lib, "_READ_BYTES", read_bytes)
+    monkeypatch.setattr(reading, "READ_BYTES", read_bytes)
     data = mixed_source(70)
     loader = jddp.data.DataLoader(data, global_batch_size=16, seed=3, drop_last=False, prefetch=1)
     reference = DistributedBatchSampler(70, global_batch_size=16, seed=3, drop_last=False)
@@ -255,7 +255,7 @@ def test_direct_transfer_equals_device_put():
 
 @pytest.mark.parametrize("transform", [None, double_with_noise], ids=["arrays", "transform"])
 def test_worker_processes_give_the_same_batches(monkeypatch, transform):
-    monkeypatch.setattr(loader_lib, "_READ_BYTES", 3000)  # several blocks per worker
+    monkeypatch.setattr(reading, "READ_BYTES", 3000)  # several blocks per worker
     data = source(96)
     kwargs = {"global_batch_size": 16, "seed": 4, "transform": transform}
     reference = jddp.data.DataLoader(data, **kwargs)
@@ -264,10 +264,10 @@ def test_worker_processes_give_the_same_batches(monkeypatch, transform):
     got, streams = [], []
     for _ in range(2):  # two epochs from the same workers: they are not restarted per epoch
         got.extend(host(b) for b in loader)
-        streams.append(loader._box[0])
+        streams.append(loader._stream.box[0])
     assert streams[0] is streams[1] is not None
     loader.close()
-    assert loader._box[0] is None
+    assert loader._stream.box[0] is None
     assert len(got) == len(expected) == 12
     for a, b in zip(got, expected, strict=True):
         for k in b:

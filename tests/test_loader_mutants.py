@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jddp
-from jddp.data import loader as loader_lib
+from jddp.data import reading
 
 
 def source(n: int) -> dict[str, np.ndarray]:
@@ -70,15 +70,15 @@ def test_transforms_of_a_dict_of_arrays_are_what_the_loader_yields(transform, ba
 def test_one_stream_reads_each_block_once_across_epochs(monkeypatch):
     """Without read-ahead, two epochs read the blocks of 3 batches at their first positions, each once and in order:
     the stream is neither restarted between batches nor at the epoch boundary."""
-    monkeypatch.setattr(loader_lib, "_READ_BYTES", 3 * 16 * 20)  # rows of 20 bytes (x 12, y 4, mask 4)
+    monkeypatch.setattr(reading, "READ_BYTES", 3 * 16 * 20)  # rows of 20 bytes (x 12, y 4, mask 4)
     reads: list[int] = []
-    call = loader_lib._ReadBatch.__call__
+    call = reading.ReadBatch.__call__
 
     def spy(self, first):
         reads.append(int(first))
         return call(self, first)
 
-    monkeypatch.setattr(loader_lib._ReadBatch, "__call__", spy)
+    monkeypatch.setattr(reading.ReadBatch, "__call__", spy)
     data = source(100)
     loader = jddp.data.DataLoader(data, global_batch_size=16, seed=5, drop_last=False, prefetch=0)
     assert loader._read.batches_per_read == 3 and len(loader) == 7
@@ -95,7 +95,7 @@ def test_one_stream_reads_each_block_once_across_epochs(monkeypatch):
 def test_local_batches_are_the_slices_to_the_end_of_the_epoch(monkeypatch, read_bytes):
     """``local_batches`` gives this process's NumPy slices from the position to the end of its epoch, and leaves the
     position where it was."""
-    monkeypatch.setattr(loader_lib, "_READ_BYTES", read_bytes)
+    monkeypatch.setattr(reading, "READ_BYTES", read_bytes)
     data = source(100)
     loader = jddp.data.DataLoader(data, global_batch_size=16, seed=8, drop_last=False)
     loader.set_state({**loader.get_state(), "position": 9, "epoch": 1})  # epoch 1 of 7 batches, its batch 2
@@ -113,7 +113,7 @@ def test_local_batches_are_the_slices_to_the_end_of_the_epoch(monkeypatch, read_
 def test_an_error_that_ends_local_batches_stops_its_read_ahead(monkeypatch):
     """When an error ends ``local_batches``, its read-ahead thread is stopped at once, even while the error (whose
     traceback keeps the generator's frame) is still held."""
-    monkeypatch.setattr(loader_lib, "_READ_BYTES", 1)  # one batch per read: 50 reads, more than the buffer holds
+    monkeypatch.setattr(reading, "READ_BYTES", 1)  # one batch per read: 50 reads, more than the buffer holds
     loader = jddp.data.DataLoader(source(400), global_batch_size=8, shuffle=False, prefetch=2)
     before = set(threading.enumerate())
     batches = loader.local_batches()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "DataLoader": "jddp.data.loader",
-    "DtypeWarning": "jddp.data.loader",
+    "DtypeWarning": "jddp.data.fields",
     "DistributedBatchSampler": "jddp.data.sampler",
     "LocalBatch": "jddp.data.sampler",
 }
@@ -32,5 +32,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from jddp.data.loader import DataLoader, DtypeWarning
+    from jddp.data.fields import DtypeWarning
+    from jddp.data.loader import DataLoader
     from jddp.data.sampler import DistributedBatchSampler, LocalBatch
