@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import control_plane
-from jddp.runtime import progress, watchdog
+from jddp.runtime import heartbeats, progress, watchdog
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_detection_names_the_aggregator_when_it_stops_after_a_restart():
 @settings(max_examples=50, deadline=None)
 @given(
     round_=st.integers(0, 2**40),
-    states=st.dictionaries(st.integers(0, 4095), st.sampled_from(watchdog.ENDED), max_size=8),
+    states=st.dictionaries(st.integers(0, 4095), st.sampled_from(heartbeats.ENDED), max_size=8),
     silent=st.lists(st.integers(0, 4095), max_size=8),
     groups=st.one_of(
         st.none(),
@@ -134,7 +134,7 @@ def test_a_summary_reads_back_as_it_was_written(round_, states, silent, groups, 
 def test_the_summary_of_a_whole_group_ending_is_a_few_bytes():
     # every watchdog reads the summary every round: at the end of a run of 1024 processes every one is DONE, and
     # the summary must not list them one by one (1023 readers x N entries would be N^2 again)
-    ended = watchdog.Summary(7, dict.fromkeys(range(1024), watchdog.DONE), [], None, False)
+    ended = watchdog.Summary(7, dict.fromkeys(range(1024), heartbeats.DONE), [], None, False)
     assert len(ended.text()) < 120, ended.text()
     assert watchdog._parse_summary(ended.text()) == ended
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jddp import exitcodes
-from jddp.runtime import progress, watchdog
+from jddp.runtime import flight, progress, watchdog
 from tests import multiprocess
 
 STALL = str(multiprocess.WORKERS / "stall.py")
@@ -41,7 +41,7 @@ def check_stall(done, flight_dir, frame: str, peer_timeout: float = PEER_TIMEOUT
         assert bound <= quiet <= bound + 3 * min(peer_timeout / 10, watchdog.MAX_ROUND_S) + 2, line
         assert f"exiting with code {exitcodes.EXIT_STALLED}" in line
     assert "the group stalled: each process's last line above names the process that was behind" in done.stderr
-    records = {p: (flight_dir / progress.FLIGHT_FILE.format(p)).read_text() for p in (0, 1)}
+    records = {p: (flight_dir / flight.FLIGHT_FILE.format(p)).read_text() for p in (0, 1)}
     assert "step 20 (steps dispatched)" in records[1]
     assert f"in {frame}" in records[1]  # the stalled frame, in the Python stacks of process 1
     assert "process 1: step 20," in records[0]  # process 0 saw process 1 behind at step 20
@@ -171,7 +171,7 @@ def test_the_stalled_frame_is_the_scripts_innermost_frame_closest_to_the_leaf():
     box = []
     # As in a process, a thread of jddp's own (left out of the search) looks; the main thread meanwhile waits in
     # join, two of threading's frames under this test's own.
-    looker = threading.Thread(target=lambda: (time.sleep(0.05), box.append(progress.stalled_frame())), name="jddp-x")
+    looker = threading.Thread(target=lambda: (time.sleep(0.05), box.append(flight.stalled_frame())), name="jddp-x")
     looker.start()
     looker.join()
     release.set()
@@ -218,7 +218,7 @@ def test_the_flight_record_holds_progress_the_group_and_every_threads_stack(fres
     fresh.step, fresh.ticks, fresh.programs, fresh.last_done = 20, 20, 18, "train step 17"
     pending = collections.deque([(None, "train step 18"), (None, "train step 19")])
     monkeypatch.setattr(dispatch.DISPATCHER, "_pending", pending)
-    path = progress.write_flight_record(3, "a test", {3: seen(20), 4: seen(22, waiting=True)})
+    path = flight.write_flight_record(3, "a test", {3: seen(20), 4: seen(22, waiting=True)})
     assert path == tmp_path / "flight-process-3.txt"
     text = path.read_text()
     assert "jddp flight record: process 3" in text and "reason: a test" in text

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from jddp.runtime import progress, watchdog
+from jddp.runtime import peer_wait, progress
 
 
 class Dispatcher:
@@ -62,7 +62,7 @@ class Dispatcher:
 
     def _wait_oldest(self) -> None:
         outputs, label = self._pending[0]
-        with watchdog.waiting():
+        with peer_wait.waiting():
             jax.block_until_ready(outputs)
         self._pending.popleft()
         p = progress.PROGRESS

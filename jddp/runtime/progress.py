@@ -1,4 +1,4 @@
-"""This process's progress (step, phase), published with the watchdog's heartbeat, and its flight record.
+"""This process's progress (step, phase) and its jddp collective calls, published with the watchdog's heartbeat.
 
 A data-parallel group whose processes are all alive can still stop: one process
 sleeps in its data loading, spins in a Python loop, or waits on a file system,
@@ -29,7 +29,7 @@ phase of the user's own), the ceiling applies. Defaults: factor 10, floor
 ``JDDP_STALL=0`` turns the detector off.
 
 The first watchdog to see a stall publishes its verdict; every process then
-writes a **flight record** (``flight-process-<i>.txt`` in the flight
+writes a **flight record** (``jddp.runtime.flight``: ``flight-process-<i>.txt`` in the flight
 directory: ``$JDDP_FLIGHT_DIR``, else ``fit``'s ``log_dir``, else
 ``jddp-flight`` in the working directory) with its step, phase, the programs it
 has completed and has in flight, every process's progress as it saw it, and
@@ -51,13 +51,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import sys
-import sysconfig
-import threading
 import time
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 from jddp import envvars, exitcodes, validate
 
@@ -65,7 +60,6 @@ WINDOW = 256  # recent tick intervals the bound is learned from
 # Phases with a learned length: their time counts into tick intervals. Any other phase (setup, compile,
 # checkpoint, one named by the user) may take any time up to the ceiling.
 LEARNED = frozenset({"step", "eval", "data", "user"})
-FLIGHT_FILE = "flight-process-{}.txt"
 CALL_HISTORY = 8  # names of the last collective calls published with the heartbeat
 COLLECTIVE_CALLS: list[str] = []  # every name given to ``collective_call``, in the order the modules declared them
 TIMED_CALLS: set[str] = set()  # the calls with a time limit of their own, whose error names the missing processes
@@ -411,95 +405,6 @@ def behind(seen: dict[int, Seen]) -> list[int]:
     at_low = [p for p, s in sorted(seen.items()) if s.step == low]
     working = [p for p in at_low if not seen[p].waiting]
     return working or at_low
-
-
-# ------------------------------------------------------------------------------------------- the flight record
-
-
-def flight_dir() -> Path:
-    return Path(PROGRESS.settings.flight_dir or "jddp-flight")
-
-
-def write_flight_record(
-    process_id: int, reason: str, seen: dict[int, Seen], verdict_view: dict[str, str] | None = None
-) -> Path | None:
-    """Writes this process's flight record (atomically); returns its path, or None if it could not be written."""
-    from jddp.runtime import dispatch  # imports this module: here, not at the top
-
-    p = PROGRESS
-    pending = dispatch.DISPATCHER.in_flight()
-    lines = [
-        f"jddp flight record: process {process_id}, {time.strftime('%Y-%m-%d %H:%M:%S %z')}",
-        f"reason: {reason}",
-        "",
-        f"step {p.step} (steps dispatched), phase {p.phase} for {time.monotonic() - p.since:.1f} s, {p.ticks} ticks",
-        f"learned bound {p.bound():.1f} s from {len(p.intervals)} tick intervals{_interval_stats(p)}",
-        f"compiled programs completed: {p.programs}, the last: {p.last_done}",
-        f"in flight (dispatched, not yet waited for): {', '.join(pending) or 'none'}",
-        "",
-        "the group when the stall was judged (by the process that judged it):",
-        *(f"  process {q}: {text}" for q, text in sorted((verdict_view or {}).items(), key=lambda kv: int(kv[0]))),
-        "the group as this process saw it then (processes that had ended or stopped are left out):",
-        *(f"  process {q}: {s.describe()}" for q, s in sorted(seen.items())),
-        "",
-        "Python stacks:",
-    ]
-    frames = sys._current_frames()
-    for thread in threading.enumerate():
-        frame = frames.get(thread.ident) if thread.ident is not None else None
-        if frame is None:
-            continue
-        main = " (main)" if thread is threading.main_thread() else ""
-        lines.append(f"--- thread {thread.name}{main}, most recent call last:")
-        lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
-    text = "\n".join(lines) + "\n"
-    directory = flight_dir()
-    path = directory / FLIGHT_FILE.format(process_id)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as error:
-        os.write(2, f"jddp: could not write the flight record {path}: {error}\n{text}".encode())
-        return None
-    return path
-
-
-def _interval_stats(p: Progress) -> str:
-    if not p.intervals:
-        return ""
-    ordered = sorted(p.intervals)
-    return f" (median {ordered[len(ordered) // 2]:.4f} s, max {ordered[-1]:.4f} s)"
-
-
-def _library(filename: str) -> bool:
-    """A frame of Python's standard library, an installed package or jddp: not where a script is stuck."""
-    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return filename.startswith(tuple(roots)) or f"{os.sep}jddp{os.sep}" in filename or filename.startswith("<")
-
-
-def stalled_frame() -> str:
-    """Where this process is stuck: ``file:line in function``, the innermost frame of the script's own code in
-    the thread where that frame is closest to the top of the stack (a transform sleeping in a prefetch thread
-    rather than the main thread's call of ``fit``); the main thread wins ties. jddp's own threads are left out."""
-    frames = sys._current_frames()
-    best: tuple[int, int, str] | None = None
-    for thread in threading.enumerate():
-        frame = frames.get(thread.ident) if thread.ident is not None else None
-        if frame is None or thread.name.startswith("jddp-"):
-            continue
-        stack = traceback.extract_stack(frame)
-        own = [i for i, f in enumerate(stack) if not _library(f.filename)]
-        if not own:
-            continue
-        f = stack[own[-1]]
-        main = thread is threading.main_thread()
-        key = (len(stack) - 1 - own[-1], 0 if main else 1)
-        where = f"{f.filename}:{f.lineno} in {f.name}" + ("" if main else f" (thread {thread.name})")
-        if best is None or key < best[:2]:
-            best = (*key, where)
-    return best[2] if best is not None else "an unknown place (no frame of the script's own code)"
 
 
 EXIT_STALLED = exitcodes.EXIT_STALLED
