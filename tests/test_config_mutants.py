@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from jddp import config
-from jddp.config import ConfigError
+from jddp.config import ConfigError, merging
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +97,8 @@ def test_a_bad_file_blames_the_key_that_is_wrong(tmp_path, text):
 def test_the_key_search_names_the_first_leaf_that_fails_alone_else_a_question_mark():
     base = OmegaConf.structured(Config)
     bad = OmegaConf.create({"epochs": 5, "name": "x", "model": 3, "extra": {"hidden": 2}})
-    assert config._first_bad_key(base, bad) == "model"
-    assert config._first_bad_key(base, OmegaConf.create({"epochs": 5, "model": {"hidden": 2}})) == "?"
+    assert merging._first_bad_key(base, bad) == "model"
+    assert merging._first_bad_key(base, OmegaConf.create({"epochs": 5, "model": {"hidden": 2}})) == "?"
 
 
 def test_the_value_quoted_is_the_one_given_under_a_key_with_a_dot(tmp_path):
