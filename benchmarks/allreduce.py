@@ -1,4 +1,6 @@
-"""All-reduce bus bandwidth between 2 processes: jddp's path against PyTorch gloo, with memcpy and TCP ceilings.
+"""What bus bandwidth does jddp's all-reduce reach between 2 processes, against PyTorch gloo, memcpy and TCP?
+
+All-reduce bus bandwidth between 2 processes: jddp's path against PyTorch gloo, with memcpy and TCP ceilings.
 
 Two processes are started through ``jddp launch`` (one CPU device each). In
 both, for each message size (float32, 4 KiB to 64 MiB by default), these run
@@ -21,7 +23,7 @@ ceilings. Medians over ``--rounds`` of per-call times. ``--malloc both`` (the
 default) runs the group twice: with the glibc settings ``jddp launch`` gives
 its workers and with glibc's defaults (``--no-malloc-tuning``), one after the other.
 
-    python -m benchmarks.allreduce --rounds 5
+    python -m benchmarks allreduce --rounds 5
 """
 
 from __future__ import annotations
@@ -37,12 +39,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
+from benchmarks import harness
 from jddp import net
 
 KIB = 1024
 DEFAULT_SIZES = ",".join(str(4**i * 4 * KIB) for i in range(8))  # 4 KiB .. 64 MiB
 VARIANTS = ("jax", "torch", "tcp", "memcpy")
+
+QUICK: dict[str, Any] = {"sizes": "4096,65536", "rounds": 2, "bytes_per_round": 8388608}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -52,7 +59,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-round", type=int, default=128 << 20, help="traffic per variant and round (128 MiB)")
     p.add_argument("--malloc", choices=("both", "tuned", "default"), default="both", help="glibc settings to run")
     p.add_argument("--transport", choices=("xla", "mpi"), default="xla", help="mpi: add the mpi column (jddp[mpi])")
-    p.add_argument("--json", default=None, help="also write the figures here")
     return p
 
 
@@ -77,8 +83,7 @@ def _size(n: int) -> str:
     return f"{n // (1 << 20)} MiB" if n >= 1 << 20 else f"{n // KIB} KiB"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     runs = {"tuned": [True], "default": [False], "both": [True, False]}[args.malloc]
     results = {("tuned" if t else "default"): _run_group(args, t) for t in runs}
     print(f"all-reduce bus bandwidth between 2 processes (GB/s = 1e9 B/s), median of {args.rounds} rounds")
@@ -93,10 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
             ratio = r["jax"]["gbps"] / r["torch"]["gbps"]
             mpi_ratio = f"{r['mpi']['gbps'] / r['torch']['gbps']:>11.2f}" if mpi else ""
             print(f"{_size(r['bytes']):>8}{bw}{ratio:>11.2f}{mpi_ratio}{r['jax']['us']:>9.0f}{r['torch']['us']:>9.0f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
     return results
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 # ----------------------------------------------------------------- worker

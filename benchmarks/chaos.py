@@ -1,6 +1,8 @@
-"""Chaos: random SIGKILLs of any worker under ``jddp launch --max-restarts``, restored from disk or from memory.
+"""Does a run under random SIGKILLs end bitwise equal to an uninterrupted one, and what does each kill cost?
 
-    python -m benchmarks.chaos [--runs 4] [--kills 5] [--seed 0] [--save-every 20]
+Chaos: random SIGKILLs of any worker under ``jddp launch --max-restarts``, restored from disk or from memory.
+
+    python -m benchmarks chaos [--runs 4] [--kills 5] [--seed 0] [--save-every 20]
 
 Trains the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, ``--epochs``) under
 ``jddp launch -n 2 --max-restarts KILLS`` and SIGKILLs a worker ``--kills`` times per run, each at a step drawn from
@@ -26,9 +28,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from benchmarks.restart import children, workers
+from benchmarks import harness, procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
@@ -47,9 +51,9 @@ def final_digests(ckpt: Path) -> tuple[int, list]:
 def running(launcher: int, said: list[str]) -> list[int]:
     """The launcher's worker processes now (started as ``train.py``, or spares handed a role or woken from standby:
     named by the launcher's lines), by pid."""
-    live = set(children(launcher))
+    live = set(procs.children(launcher))
     handed = {int(pid) for line in list(said) for _, pid in HANDED.findall(line) if "handed" in line or "woken" in line}
-    return sorted(set(workers(launcher)) | (handed & live))
+    return sorted(set(procs.workers(launcher)) | (handed & live))
 
 
 def one_run(mode: str, kills: list[tuple[int, int]], args) -> dict | None:
@@ -105,7 +109,10 @@ def one_run(mode: str, kills: list[tuple[int, int]], args) -> dict | None:
         }
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"runs": 1, "kills": 1, "epochs": 2}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--kills", type=int, default=5)
@@ -113,7 +120,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--modes", default="disk,memory", help="comma-separated: disk, memory (default: both)")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     rng = random.Random(args.seed)
     print(f"chaos: seed {args.seed}, {args.runs} runs x {args.kills} kills per mode, load {os.getloadavg()[0]:.2f}")
     reference = one_run("memory", [], args)
@@ -151,6 +161,10 @@ def main() -> None:
                 f"{max(t['recomputed'])}; restores from: {counts}; {t['woken']} restart(s) woken from standby; "
                 f"bitwise equal to the uninterrupted run in {t['bitwise']} of {t['runs']} runs"
             )
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

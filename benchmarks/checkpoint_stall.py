@@ -1,6 +1,8 @@
-"""How long an async checkpoint blocks the training loop, against a synchronous save; and restore time.
+"""How long does an async checkpoint block the training loop, against a synchronous save, and a restore take?
 
-    python benchmarks/checkpoint_stall.py [--sizes-mb 16,64,256] [--repeats 5] [--devices 2]
+How long an async checkpoint blocks the training loop, against a synchronous save; and restore time.
+
+    python -m benchmarks checkpoint_stall [--sizes-mb 16,64,256] [--repeats 5] [--devices 2]
 
 For each state size (float32 parameters in four leaves, SGD so the optimizer
 state is empty), two ``jddp.Checkpointer`` stay open as in a training loop, one
@@ -25,17 +27,26 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import harness
 
 MODES = ("async", "sync")
 
+QUICK: dict[str, Any] = {"sizes_mb": "1", "repeats": 1}  # --quick: a tiny size
 
-def main() -> None:
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", default="16,64,256")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--directory", default=None, help="where to write (default: a temporary directory)")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
 
     import jddp
 
@@ -84,6 +95,10 @@ def main() -> None:
         print(f"{size_mb:>8} {b:>17.1f} {s:>13.1f} {b / s:>13.3f} {r:>11.1f}", flush=True)
     if not args.directory:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

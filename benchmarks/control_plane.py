@@ -1,6 +1,8 @@
-"""The control plane at N simulated processes: what each of jddp's exchanges costs the coordination service.
+"""What does each of jddp's control-plane exchanges cost the coordination service at N simulated processes?
 
-    python -m benchmarks.control_plane [--n 2,8,32,128] [--workers 4] [--reps 10] [--peer-timeout 5]
+The control plane at N simulated processes: what each of jddp's exchanges costs the coordination service.
+
+    python -m benchmarks control_plane [--n 2,8,32,128] [--workers 4] [--reps 10] [--peer-timeout 5]
 
 For each N, the real coordination service runs in a process of its own, as ``jddp launch`` runs it
 (``python -m jddp.runtime.coordinator``), and N simulated processes talk to it: each one is a JAX distributed
@@ -85,6 +87,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks import harness
 from jddp import validate
 
 OPS = ("heartbeat", "heartbeat_all_read", "barrier", "all_gather")
@@ -877,7 +880,10 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+QUICK: dict[str, Any] = {"n": "2", "reps": 2, "warmup": 1.0, "workers": 1}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--n", default="2,8,32,128", help="process counts, comma-separated")
     parser.add_argument("--workers", type=int, default=4, help="OS processes hosting the simulated ones")
@@ -905,7 +911,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=AT_STEP,
         help="the simulated processes' heartbeat values are those of a run at this step (0: before any step)",
     )
-    parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     parser.add_argument(
         "--real",
         action="store_true",
@@ -913,7 +918,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--window s, and the time to the last join, for each N; then the simulator's wd cpu/s at the same N",
     )
     parser.add_argument("--window", type=float, default=20.0, help="--real: seconds the service's CPU is taken over")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     counts = parse_counts(args.n)
     if args.real:
         rows = []
@@ -936,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"argv": list(sys.argv), "real": rows}, f, indent=1)
-        return 0
+        return {"real": rows}
     results = []
     for n in counts:
         r = measure(
@@ -957,8 +965,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"argv": list(sys.argv), "results": results}, f, indent=1)
     print(table(results))
-    return 0
+    return {"results": results}
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

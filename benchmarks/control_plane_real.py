@@ -1,6 +1,8 @@
-"""Every per-round control-plane cost with real jddp processes, beside the simulator's at the same N.
+"""What does each per-round control-plane exchange cost with real jddp processes, beside the simulator's?
 
-    python -m benchmarks.control_plane_real [--n 2,4,8,16,32] [--reps 20] [--peer-timeout 5] [--window 10]
+Every per-round control-plane cost with real jddp processes, beside the simulator's at the same N.
+
+    python -m benchmarks control_plane_real [--n 2,4,8,16,32] [--reps 20] [--peer-timeout 5] [--window 10]
 
 For each N: ``jddp launch -n N --devices-per-process 1 --peer-timeout T`` of this module as the script
 (``--worker``): real processes that import JAX and join the group with ``jddp.initialize`` (gloo on CPU, the
@@ -95,7 +97,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import control_plane
+from benchmarks import control_plane, harness
 from jddp import validate
 
 OPS = ("barrier", "barrier_quiet", "all_gather", "preemption", "agree")
@@ -535,7 +537,10 @@ def tables(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+QUICK: dict[str, Any] = {"n": "2", "reps": 2, "window": 2.0, "no_sim": True}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--n", default="2,4,8,16,32", help="process counts, comma-separated")
     parser.add_argument("--reps", type=int, default=20, help="repetitions of each call (medians)")
@@ -549,9 +554,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the simulator's OS processes (its --workers; as many as N: one connection to the service per client, "
         "as real processes make)",
     )
-    parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one jddp process (jddp launch)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     validate.check_int("--reps", args.reps, minimum=1)
     validate.check_number("--peer-timeout", args.peer_timeout, unit="seconds")
     validate.check_number("--window", args.window, unit="seconds")
@@ -569,8 +576,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"argv": list(sys.argv), "rows": rows}, f, indent=1)
     print(tables(rows))
-    return 0
+    return {"rows": rows}
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,6 +1,8 @@
-"""Elastic re-formation time: from a host's loss, or a host's arrival, to the group training again (issue 31).
+"""How long does an elastic group take to train again after a host's loss or a host's arrival (issue 31)?
 
-    python -m benchmarks.elastic [--repeats 5] [--seed 0] [--epochs 4] [--save-every 20] [--out FILE]
+Elastic re-formation time: from a host's loss, or a host's arrival, to the group training again (issue 31).
+
+    python -m benchmarks elastic [--repeats 5] [--seed 0] [--epochs 4] [--save-every 20] [--out FILE]
         [--scenarios loss,admission] [--keep DIR]
 
 Runs the MNIST-1D MLP (``-m examples.mnist1d.train``, ``configs/mnist1d_mlp.yaml``, ``--epochs`` epochs of 4000
@@ -56,8 +58,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from benchmarks import harness
 from jddp import goodput, net
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,7 +312,10 @@ def summary(results: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, flo
     return out
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"repeats": 1, "epochs": 1, "scenarios": "loss"}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs of each scenario, interleaved")
     parser.add_argument("--seed", type=int, default=0, help="draws the step of each event and the killed launcher")
@@ -316,14 +324,17 @@ def main() -> None:
     parser.add_argument("--scenarios", default="loss,admission", help="comma-separated: loss, admission")
     parser.add_argument("--keep", help="keep each run's files (logs, checkpoints, launchers' output) in this folder")
     parser.add_argument("--out", default=str(OUT), help="the JSON of every sample")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     steps = args.epochs * (TRAIN_EXAMPLES // GLOBAL_BATCH)
     for name, value in (("repeats", args.repeats), ("epochs", args.epochs), ("save-every", args.save_every)):
         if value < 1:
-            parser.error(f"--{name} must be at least 1, got --{name}={value}")
+            get_args_parser().error(f"--{name} must be at least 1, got --{name}={value}")
     first, last = args.save_every + 1, steps // 2  # past the first checkpoint, half the run left
     if first > last:
-        parser.error(
+        get_args_parser().error(
             f"--save-every={args.save_every} leaves no step past the first checkpoint in the first half of the "
             f"{steps} steps of --epochs={args.epochs}: raise --epochs or lower --save-every"
         )
@@ -333,10 +344,12 @@ def main() -> None:
     ]  # fmt: skip
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     if not scenarios or any(s not in ("loss", "admission") for s in scenarios):
-        parser.error(f"--scenarios must name loss and/or admission, comma-separated; got --scenarios={args.scenarios}")
+        get_args_parser().error(
+            f"--scenarios must name loss and/or admission, comma-separated; got --scenarios={args.scenarios}"
+        )
     keep = None if args.keep is None else Path(args.keep)
     if keep is not None and keep.exists() and any(keep.iterdir()):
-        parser.error(f"--keep={args.keep} is not empty: name a new or empty folder")
+        get_args_parser().error(f"--keep={args.keep} is not empty: name a new or empty folder")
     rng = random.Random(args.seed)
     load_before = os.getloadavg()
     print(
@@ -400,6 +413,10 @@ def main() -> None:
     print(f"wrote {args.out}")
     if failed:
         sys.exit(f"{failed} run(s) failed a check (named above)")
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

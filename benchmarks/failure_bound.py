@@ -1,6 +1,8 @@
-"""The failure bound at the launcher's exit: from a process's failure to ``jddp launch``'s end, against T + 10 s.
+"""How long after a process fails does ``jddp launch`` end, against its bound T + 10 s?
 
-    python benchmarks/failure_bound.py [--repeats 2] [--peer-timeouts 10,30,60] [--hogs 0,2]
+The failure bound at the launcher's exit: from a process's failure to ``jddp launch``'s end, against T + 10 s.
+
+    python -m benchmarks failure_bound [--repeats 2] [--peer-timeouts 10,30,60] [--hogs 0,2]
                                        [--kinds sigkill,sigstop,exit0]
 
 ``tests/workers/group.py end 1 HOW`` under ``jddp launch -n 2 --peer-timeout T`` (default kill grace): process 1
@@ -21,13 +23,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness, procs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "group.py"
 ENDING = re.compile(r"ENDING ([\d.]+)")
-sys.path.insert(0, str(ROOT))  # run as a script: the repository's root, for benchmarks.stall_detector
-from benchmarks.stall_detector import busy_processes  # noqa: E402
 
 
 def run_once(how: str, peer_timeout: float) -> tuple[int, float] | None:
@@ -47,7 +51,7 @@ def run_once(how: str, peer_timeout: float) -> tuple[int, float] | None:
 
 def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> None:
     results = []
-    with busy_processes(hogs):
+    with procs.busy_processes(hogs):
         for _ in range(repeats):
             result = run_once(how, peer_timeout)
             if result is not None:
@@ -64,18 +68,28 @@ def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> None:
     )
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"repeats": 1, "peer_timeouts": "10", "hogs": "0", "kinds": "sigkill"}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peer-timeouts", default="10,30,60", help="peer timeouts T (s)")
     parser.add_argument("--hogs", default="0,2", help="busy processes beside the group, for each row")
     parser.add_argument("--kinds", default="sigkill,sigstop,exit0", help="how process 1 ends")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     print(f"failure bound at jddp launch's exit, 2 processes; load average at the start {os.getloadavg()[0]:.2f}")
     for timeout in (float(t) for t in args.peer_timeouts.split(",")):
         for hogs in (int(h) for h in args.hogs.split(",")):
             for how in args.kinds.split(","):
                 row(how, timeout, hogs, args.repeats)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Time to the first training step at 2 processes: jddp with a cold and a warm compilation cache, and PyTorch DDP.
+"""How long to the first training step at 2 processes: jddp with a cold and a warm compilation cache, and PyTorch DDP?
 
-    python -m benchmarks.first_step [--repeats 5]
+Time to the first training step at 2 processes: jddp with a cold and a warm compilation cache, and PyTorch DDP.
+
+    python -m benchmarks first_step [--repeats 5]
 
 Each mode starts a fresh 2-process group from the shell's point of view and
 times it from just before the launcher starts to the end of the first step on
@@ -27,8 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import harness
 
 MODES = ("jddp cold", "jddp warm", "torch")
+
+QUICK: dict[str, Any] = {"repeats": 1}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -57,8 +65,7 @@ def _run(mode: str, cache: str) -> float:
     return float(first[0].split()[-1]) - start
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     times: dict[str, list[float]] = {m: [] for m in MODES}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as cache:
@@ -75,6 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{mode:<12}{med:>10.2f}{min(t):>8.2f}{max(t):>8.2f}{med / torch_median:>9.2f}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     return times
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 def _jddp_worker() -> None:

@@ -1,4 +1,6 @@
-"""Loader throughput against what the training step consumes, and the loop's slowdown.
+"""Does the loader outrun what the training step consumes, and how much does it slow the training loop?
+
+Loader throughput against what the training step consumes, and the loop's slowdown.
 
 1. ``jddp.data.DataLoader`` on a NumPy source of 200k x 40 float32 (+ int32
    labels), global batch 256, shuffled, with 0, 1 and 2 Grain worker
@@ -15,7 +17,7 @@
    a shared machine it moves much less with other processes' load, and with the
    devices saturating the cores, extra CPU is what turns into slowdown.
 
-    python -m benchmarks.loader_throughput --devices 8
+    python -m benchmarks loader_throughput --devices 8
 """
 
 from __future__ import annotations
@@ -23,6 +25,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import harness
+
+QUICK: dict[str, Any] = {
+    "devices": 2,
+    "examples": 4096,
+    "global_batch_size": 64,
+    "batches": 10,
+    "repeats": 1,
+    "rounds": 6,
+    "steps": 2,
+}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -47,8 +63,7 @@ def median_ci(ratios, rng, resamples: int = 2000) -> tuple[float, float, float]:
     return float(np.median(r)), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     import jddp
 
     jddp.simulate_cpu_devices(args.devices)
@@ -167,6 +182,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "cpu_slowdown": slow_cpu["loader"][0],
         **{f"workers{w}": r for w, r in rates.items()},
     }
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

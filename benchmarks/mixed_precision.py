@@ -1,4 +1,6 @@
-"""Mixed precision (``DataParallel(compute_dtype=...)``) against float32: step time and final accuracy or loss.
+"""What does mixed precision (``compute_dtype``) change against float32: step time, final accuracy or loss?
+
+Mixed precision (``DataParallel(compute_dtype=...)``) against float32: step time and final accuracy or loss.
 
 Runs the MNIST-1D CNN example and the byte-level LM example as their commands run them, with
 ``compute_dtype=float32`` and ``compute_dtype=bfloat16`` (and, for the CNN, ``float16`` with ``--float16``): the CNN
@@ -8,7 +10,7 @@ casts, written in the model), interleaved
 process; the figures are fit's own summary: the median step time (``step_s / steps``, compile excluded) and the
 final test accuracy (CNN) or test loss (LM). Printed: medians over ``--repeats`` runs and the ratio to float32.
 
-    python benchmarks/mixed_precision.py [--repeats 3] [--devices 2] [--cnn-epochs 10] [--lm-steps 150] [--float16]
+    python -m benchmarks mixed_precision [--repeats 3] [--devices 2] [--cnn-epochs 10] [--lm-steps 150] [--float16]
 
 On CPU, XLA computes bfloat16 without native instructions on most processors, so the step can be slower than
 float32's; the figures say how much, on the machine they ran on.
@@ -22,7 +24,11 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = re.compile(r"^result: (.*)$", re.MULTILINE)
@@ -39,14 +45,20 @@ def run(example: str, overrides: list[str]) -> dict[str, float]:
     return {k: float(v) for k, v in (item.split("=") for item in found.group(1).split())}
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"repeats": 1, "cnn_epochs": 1, "lm_steps": 5}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each dtype, interleaved (default: 3)")
     parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices of the one process (default: 2)")
     parser.add_argument("--cnn-epochs", type=int, default=10, help="MNIST-1D CNN epochs (default: 10)")
     parser.add_argument("--lm-steps", type=int, default=150, help="LM training steps, over 30 (default: 150)")
     parser.add_argument("--float16", action="store_true", help="also float16 with dynamic loss scaling")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     cnn_dtypes = ["float32", "bfloat16", *(["float16"] if args.float16 else [])]
     cases = {
         "MNIST-1D CNN": (
@@ -74,6 +86,10 @@ def main() -> None:
                 f"{quality} {value:.4f} (median; runs: {runs})"
             )
     print(f"  load average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

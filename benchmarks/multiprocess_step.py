@@ -1,4 +1,6 @@
-"""Step time of the MNIST-1D MLP over process x device topologies, through ``jddp launch``.
+"""How does the MNIST-1D MLP's step time change over process x device topologies under ``jddp launch``?
+
+Step time of the MNIST-1D MLP over process x device topologies, through ``jddp launch``.
 
 For each topology (processes x simulated devices per process) the script runs
 ``jddp launch -n P --devices-per-process D`` on itself in worker mode. A worker
@@ -26,10 +28,10 @@ machine noise hits them alike. The table gives the median and 90th percentile
 over every timed step, the ratio of medians to the same variant on 1x8, and to
 ``hand-written pmean`` in the same topology.
 
-    python -m benchmarks.multiprocess_step --topologies 1x8,2x1,2x2,2x4 --rounds 3
-    python -m benchmarks.multiprocess_step --topologies 2x4 --env XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
-    python -m benchmarks.multiprocess_step --topologies 2x1 --compare-cpu-share --variants jddp,hand-written pmean
-    python -m benchmarks.multiprocess_step --topologies 1x8,2x1,2x2 --variants "jddp,jddp zero"
+    python -m benchmarks multiprocess_step --topologies 1x8,2x1,2x2,2x4 --rounds 3
+    python -m benchmarks multiprocess_step --topologies 2x4 --env XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
+    python -m benchmarks multiprocess_step --topologies 2x1 --compare-cpu-share --variants jddp,hand-written pmean
+    python -m benchmarks multiprocess_step --topologies 1x8,2x1,2x2 --variants "jddp,jddp zero"
 """
 
 from __future__ import annotations
@@ -40,10 +42,22 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
 
 VARIANTS = ("jddp", "jddp per-leaf", "hand-written pmean", "hand-written fused", "hand-written hier", "jddp zero")
 ROOT = Path(__file__).resolve().parents[1]
+
+QUICK: dict[str, Any] = {
+    "topologies": "2x1",
+    "rounds": 1,
+    "blocks": 1,
+    "steps": 3,
+    "variants": "jddp",
+}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -68,7 +82,6 @@ def get_args_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run every topology with `jddp launch --cpu-share` (each process its cores), interleaved",
     )
-    p.add_argument("--json", default=None, help="also write the per-step times to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -238,8 +251,7 @@ def launch(topology: str, args: argparse.Namespace) -> dict[str, list[float]]:
     raise RuntimeError(f"{topology} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     if args.worker:
         worker(args)
         return {}
@@ -274,9 +286,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{t:<13} {v:<19} {median[t][v]:8.2f} {p90[t][v]:8.2f} {median[t][v] / median[base][v]:8.2f} "
                   f"{median[t][v] / median[t][ref]:21.2f}")  # fmt: skip
     result = {"median_ms": median, "p90_ms": p90, "env": args.env, "compare_env": args.compare_env}
-    if args.json:
-        Path(args.json).write_text(json.dumps({**result, "times_ms": times}, indent=1))
-    return result
+    return {**result, "times_ms": times}
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

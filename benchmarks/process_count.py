@@ -1,6 +1,8 @@
-"""How the control plane's costs grow with the process count (1 device per process, a tiny model).
+"""How do the control plane's costs grow with the process count (1 device per process, a tiny model)?
 
-    python -m benchmarks.process_count [--counts 2,4,8,16] [--steps 30]
+How the control plane's costs grow with the process count (1 device per process, a tiny model).
+
+    python -m benchmarks process_count [--counts 2,4,8,16] [--steps 30]
 
 For each N, ``jddp launch -n N`` runs this file in worker mode. Every process times, on the same schedule:
 
@@ -28,7 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("join_s", "first_step_s", "step_ms", "barrier_ms", "all_gather_ms", "heartbeat_ms", "save_s", "restore_s")
@@ -130,12 +136,18 @@ def run(n: int, steps: int) -> dict:
     raise RuntimeError(f"N={n} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"counts": "2", "steps": 5}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", default="2,4,8,16")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     if args.worker:
         worker(args)
         return
@@ -155,6 +167,10 @@ def main() -> None:
         slopes = {k: math.log(rows[hi][k] / rows[lo][k]) / math.log(hi / lo) for k in KEYS if rows[lo][k] > 0}
         shown = ", ".join(f"{k} {v:.2f}" for k, v in slopes.items())
         print(f"slope of log(cost) over log(N), N={lo} to {hi}: {shown}")
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

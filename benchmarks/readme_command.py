@@ -1,6 +1,8 @@
-"""Times the README's main command and writes its figures to a JSON file the README quotes.
+"""How long does the README's main command take, and what does it reach (the figures the README quotes)?
 
-    python -m benchmarks.readme_command [--out benchmarks/results/readme_command.json]
+Times the README's main command and writes its figures to a JSON file the README quotes.
+
+    python -m benchmarks readme_command [--out benchmarks/results/readme_command.json]
 
 Runs ``jddp launch -n 2 --devices-per-process 4 -m examples.mnist1d.train config=configs/mnist1d_cnn.yaml`` (the
 README's command once installed) from the repository's root, into a fresh ``log_dir`` so that no earlier run is
@@ -21,7 +23,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "jddp launch -n 2 --devices-per-process 4 -m examples.mnist1d.train config=configs/mnist1d_cnn.yaml"
@@ -45,10 +51,16 @@ def _result(stdout: str) -> dict:
     return {k: float(v) if re.fullmatch(r"-?[\d.e+-]+", v) else v for k, v in pairs}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.readme_command", description="Times the README command.")
+QUICK: dict[str, Any] = {}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks readme_command", description="Times the README command.")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/readme_command.json"), help="the JSON written")
-    args = p.parse_args(argv)
+    return p
+
+
+def bench(args: argparse.Namespace) -> Any:
     jddp = str(Path(sys.executable).with_name("jddp"))
     with tempfile.TemporaryDirectory(prefix="jddp-readme-") as tmp:
         argv_run = [jddp, *shlex.split(COMMAND)[1:], f"log_dir={tmp}/run", "progress=false"]
@@ -76,5 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,11 +1,11 @@
-"""What the replica check costs: ``dp.check_replicas`` against ``dp.step``, interleaved in one process.
+"""What does the replica check cost? ``dp.check_replicas`` against ``dp.step``, interleaved in one process.
 
 The MNIST-1D MLP with AdamW (the state is the parameters and two moments) on simulated CPU devices. Each round
 times ``--steps`` steps, then one check; prints the median step time, the median check time, and the share of
 step time that one check every K steps costs (``jddp.fit``'s ``replica_check_every``, default 100).
 
-    python -m benchmarks.replica_check --devices 8 --hidden 256 --rounds 15
-    python -m benchmarks.replica_check --devices 8 --hidden 1024 --rounds 15
+    python -m benchmarks replica_check --devices 8 --hidden 256 --rounds 15
+    python -m benchmarks replica_check --devices 8 --hidden 1024 --rounds 15
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import harness
+
+QUICK: dict[str, Any] = {"devices": 2, "hidden": 32, "rounds": 2, "steps": 2}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -26,8 +32,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     import jddp
 
     jddp.simulate_cpu_devices(args.devices)
@@ -74,6 +79,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         out[f"cost_every_{every}"] = share
         print(f"one check every {every:5d} steps: {100 * share:6.3f}% of step time")
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

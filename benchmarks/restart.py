@@ -1,7 +1,9 @@
-"""Restart time: from a SIGKILL to the first step of the restarted group, with and without the compilation cache,
+"""How long from a SIGKILL to the restarted group's first step, with and without the compilation cache and spares?
+
+Restart time: from a SIGKILL to the first step of the restarted group, with and without the compilation cache,
 with and without the launcher's spare processes.
 
-    python -m benchmarks.restart [--repeats 10] [--seed 0] [--no-fresh] [--modes "warm,warm no-spares disk"]
+    python -m benchmarks restart [--repeats 10] [--seed 0] [--no-fresh] [--modes "warm,warm no-spares disk"]
 
 Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, 10 epochs, a checkpoint every
 20 steps) under ``jddp launch -n 2 --max-restarts 3``, and SIGKILLs one worker once per run, at a step and a
@@ -34,37 +36,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from jddp.cli import launch
+from benchmarks import harness, procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
 CONFIG = ROOT / "configs" / "mnist1d_mlp.yaml"
 
 
-def children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
-def workers(launcher: int) -> list[int]:
-    """The launcher's Python worker processes (not the coordination service), in start order."""
-    out = []
-    for pid in children(launcher):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(part.endswith(b"train.py") for part in cmd):
-            out.append(pid)
-    return out
-
-
-SPARES_READY = "spare process(es) ready for a restart"  # jddp.cli.launch's lines
+SPARES_READY = "spare process(es) ready for a restart"  # jddp launch's lines (stderr)
+STANDBY_READY = "standby process(es) of the next attempt ready: compiled, waiting before their restore"
 HANDED = "handed to their spares"
 WOKEN = "woken from standby"
 
@@ -99,7 +83,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
             assert launcher.stderr is not None
             for line in launcher.stderr:
                 said.append(line)
-                if (launch.STANDBY_READY if standby else SPARES_READY) in line:
+                if (STANDBY_READY if standby else SPARES_READY) in line:
                     ready.set()
 
         reader = threading.Thread(target=read, daemon=True)
@@ -114,7 +98,7 @@ def one_run(mode: str, cache_dir: str, kill_step: int | None, victim: int, peer_
                 if (spares and not ready.is_set()) or not ledger0.exists():
                     continue
                 if goodput.read(ledger0)["last_step"] >= kill_step:
-                    pids = workers(launcher.pid)
+                    pids = procs.workers(launcher.pid)
                     if len(pids) == 2:
                         os.kill(pids[victim], signal.SIGKILL)
                         killed_at = time.time()
@@ -168,7 +152,10 @@ def summary(results: dict[str, list[dict]]) -> None:
             print("  " + f"{mode:<16}" + "".join(f"{statistics.median(r[k] for r in rows):>18.2f}" for k in keys))
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"repeats": 1, "modes": "warm", "no_fresh": True}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -180,7 +167,10 @@ def main() -> None:
         help="comma-separated: warm, cold or nocache, with ' no-standby', ' no-spares' and ' disk' "
         "(JDDP_SNAPSHOTS=0: the restore from disk, as before in-memory snapshots) in it",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     rng = random.Random(args.seed)
     modes = [m.strip() for m in args.modes.split(",")]
     print(f"restart benchmark: seed {args.seed}, {args.repeats} kills per mode, load {os.getloadavg()[0]:.2f}")
@@ -208,6 +198,10 @@ def main() -> None:
                 f"  fresh start to the first step, {mode} cache: median {statistics.median(times):.2f} s "
                 f"(min {min(times):.2f}, max {max(times):.2f}) over {len(times)} runs"
             )
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

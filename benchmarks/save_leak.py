@@ -1,6 +1,8 @@
-"""Memory kept per checkpoint save and per in-memory snapshot: one process, or a group under ``jddp launch``.
+"""How much memory does each checkpoint save and each in-memory snapshot keep: one process, or a group?
 
-    python -m benchmarks.save_leak [--mode jddp] [--saves 3000] [--every 100] [--sync] [--direct]
+Memory kept per checkpoint save and per in-memory snapshot: one process, or a group under ``jddp launch``.
+
+    python -m benchmarks save_leak [--mode jddp] [--saves 3000] [--every 100] [--sync] [--direct]
                                    [--max-to-keep 3] [--trace DEPTH] [--tuned]
     python -m jddp.launch -n 2 benchmarks/save_leak.py --mode jddp ...    # the same in a group of 2
 
@@ -41,7 +43,11 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -116,7 +122,10 @@ def mlp_state(dp):
     return dp.init(params, rng=0)
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"saves": 40, "warm_up": 5, "every": 20}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
         "--mode", choices=("jddp", "orbax", "snapshots", "both", "allgather", "sync", "steps"), default="jddp"
@@ -133,9 +142,12 @@ def main() -> None:
     )
     parser.add_argument("--tuned", action="store_true", help="jddp launch's GLIBC_TUNABLES")
     parser.add_argument("--trim-every", type=int, default=0, help="malloc_trim(0) every N saves (0: never)")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     if args.saves < 2 * args.every or args.every < 1 or args.warm_up < 0:
-        parser.error(f"--saves must be >= 2 x --every, --every >= 1, --warm-up >= 0; got {vars(args)}")
+        get_args_parser().error(f"--saves must be >= 2 x --every, --every >= 1, --warm-up >= 0; got {vars(args)}")
     if args.tuned and "GLIBC_TUNABLES" not in os.environ:  # glibc reads it at the process's start only
         from jddp.cli.launch import MALLOC_TUNABLES
 
@@ -161,6 +173,10 @@ def main() -> None:
         finally:
             if jax.process_count() > 1 and jax.process_index() == 0:
                 shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 def run(args, directory: Path) -> None:

@@ -1,6 +1,8 @@
-"""The step-time cost of in-memory snapshots (``jddp.checkpoint.snapshot``), on and off, interleaved run by run.
+"""What do in-memory snapshots (``jddp.checkpoint.snapshot``) cost per step, on against off, interleaved?
 
-    python -m benchmarks.snapshot_cost [--repeats 5] [--models mlp,lm] [--save-every 50]
+The step-time cost of in-memory snapshots (``jddp.checkpoint.snapshot``), on and off, interleaved run by run.
+
+    python -m benchmarks snapshot_cost [--repeats 5] [--models mlp,lm] [--save-every 50]
 
 Each run trains one example under ``jddp launch -n 2`` with a checkpoint directory (a disk save every
 ``--save-every`` steps, the same in both modes) and either ``JDDP_SNAPSHOTS=0`` (off) or snapshots on (their
@@ -10,7 +12,7 @@ everything included (data, logging, saves, evaluations: the same in both modes).
 per-step time of each mode, their ratio, the snapshots taken and their interval at the end, the median of the
 pairs' ratios (run i of each mode is a pair, run side by side) with a 95% bootstrap interval, and the load average.
 
-    python -m benchmarks.snapshot_cost --within [--repeats 3] [--blocks 20] [--block 200] [--snapshot-every 0]
+    python -m benchmarks snapshot_cost --within [--repeats 3] [--blocks 20] [--block 200] [--snapshot-every 0]
                                        [--budget 0] [--after 0]
 
 The runs of a pair differ by more than the cost on a shared machine (whole runs of the MLP spread by 10%). With
@@ -37,9 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -258,7 +264,10 @@ def report(on_ms: list[float], off_ms: list[float]) -> None:
     )
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"repeats": 1, "models": "mlp", "blocks": 2, "block": 10}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="mlp,lm")
@@ -274,7 +283,10 @@ def main() -> None:
     parser.add_argument("--pooled", default=None, help="print the statistics of the pairs saved in this file, pooled")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     if args.worker:
         worker(args)
         return
@@ -313,6 +325,10 @@ def main() -> None:
             + f"{statistics.median(r['every'] for r in on):.0f}; median of the {len(ratios)} pairs' ratios "
             + f"{statistics.median(ratios):.3f}, 95% bootstrap interval {low:.3f} to {high:.3f}"
         )
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 def bootstrap_total(on: list[float], off: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float]:

@@ -1,7 +1,9 @@
-"""Where an in-memory snapshot's time goes (``jddp.checkpoint.snapshot``), phase by phase, for the MNIST-1D MLP and
+"""Where does an in-memory snapshot's time go (``jddp.checkpoint.snapshot``), phase by phase, for the MLP and the LM?
+
+Where an in-memory snapshot's time goes (``jddp.checkpoint.snapshot``), phase by phase, for the MNIST-1D MLP and
 the LM example side by side.
 
-    python -m benchmarks.snapshot_profile [--models mlp,lm] [--snapshots 40] [--every 10]
+    python -m benchmarks snapshot_profile [--models mlp,lm] [--snapshots 40] [--every 10]
 
 Each model trains under ``jddp launch -n 2`` (the MLP with batches staged on the devices, the LM example with 8 of
 its loader's batches staged; ``benchmarks/snapshot_cost.py``'s workers), one ``Checkpointer`` with a snapshot every
@@ -27,7 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +151,10 @@ def medians(phases: dict[str, list[list[float]]]) -> dict[str, tuple[float, floa
     return out
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"models": "mlp", "snapshots": 3, "every": 2}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default="mlp,lm")
     parser.add_argument("--snapshots", type=int, default=40, help="snapshots timed, in the loop and then alone")
@@ -154,7 +163,10 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     if args.worker:
         worker(args)
         return
@@ -184,6 +196,10 @@ def main() -> None:
         print(f"    {'cost measure':<20}{costs}")
         means = "".join(f"{statistics.mean(r[setting]['costs']) * 1e3:>36.3f}" for r in results.values())
         print(f"    {'  its mean':<20}{means}")
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Memory soak: does a long run that saves often keep every process's memory flat?
+"""Does a long run that saves often keep every process's memory flat?
 
-    python -m benchmarks.soak [--steps 20000] [--save-every 10] [--interval 3] [--no-malloc-tuning]
+Memory soak: does a long run that saves often keep every process's memory flat?
+
+    python -m benchmarks soak [--steps 20000] [--save-every 10] [--interval 3] [--no-malloc-tuning]
 
 Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``) under ``jddp launch -n 2``
 for at least ``--steps`` steps (the example trains by epochs: as many epochs as reach them), with an async
@@ -31,9 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from benchmarks.restart import workers
+from benchmarks import harness, procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "mnist1d" / "train.py"
@@ -111,7 +115,7 @@ def run(args) -> tuple[int, dict[int, list[dict]]]:
                     step = int(goodput.read(ledger)["last_step"])
                 except (OSError, ValueError, KeyError):
                     continue
-                for rank, pid in enumerate(workers(launcher.pid)):
+                for rank, pid in enumerate(procs.workers(launcher.pid)):
                     found = sample(pid)
                     if found is not None:
                         samples.setdefault(rank, []).append({"t": time.time() - start, "step": step, **found})
@@ -162,7 +166,10 @@ def report(args, samples: dict[int, list[dict]]) -> list[dict]:
     return rows
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {"steps": 200, "interval": 1.0}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=20000, help="at least this many steps (whole epochs)")
     parser.add_argument("--save-every", type=int, default=10)
@@ -172,9 +179,12 @@ def main() -> None:
     parser.add_argument("--no-malloc-tuning", action="store_true", help="jddp launch's flag of the same name")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override of the example")
     parser.add_argument("--out", default=None, help="also write the samples and the slopes here (JSON)")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     if args.steps < 2 or args.save_every < 1 or args.interval <= 0 or args.snapshot_every < 0:
-        parser.error(f"--steps must be >= 2, --save-every >= 1 and --interval > 0, got {args}")
+        get_args_parser().error(f"--steps must be >= 2, --save-every >= 1 and --interval > 0, got {args}")
     load = os.getloadavg()
     snapshots = "off" if args.no_snapshots else f"every {args.snapshot_every or '(by cost)'}"
     print(
@@ -191,6 +201,10 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "samples": samples}, indent=1))
     if code != 0 or not samples:
         sys.exit(code or 1)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

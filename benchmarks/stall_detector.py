@@ -1,6 +1,8 @@
-"""The stall detector: how fast a stall is named, and whether a slow run under load ever is.
+"""How fast is a stall named, and is a slow run under load ever named one?
 
-    python benchmarks/stall_detector.py [--floor 3] [--repeats 3] [--steps 500] [--spinners 4]
+The stall detector: how fast a stall is named, and whether a slow run under load ever is.
+
+    python -m benchmarks stall_detector [--floor 3] [--repeats 3] [--steps 500] [--spinners 4]
                                         [--peer-timeouts 10,30,60] [--hogs 0,2]
 
 Detection: ``tests/workers/stall.py`` under ``jddp launch -n 2``; process 1 stalls at step 20 in its data loading
@@ -17,7 +19,6 @@ alarms, and the load average seen.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import statistics
@@ -25,23 +26,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks import harness, procs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "stall.py"
 VERDICT = re.compile(r"no process made progress for ([\d.]+) s \(bound ([\d.]+) s")
-
-
-@contextlib.contextmanager
-def busy_processes(n: int):
-    """``n`` busy Python processes (``while True: pass``) beside whatever runs inside, killed and reaped after."""
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in load:
-            p.kill()
-            p.wait()
 
 
 def launch(
@@ -57,7 +50,7 @@ def launch(
 
 def detection(how: str, floor: float, repeats: int, peer_timeout: float = 10, hogs: int = 0) -> None:
     bounds, quiets, latencies = [], [], []
-    with busy_processes(hogs):
+    with procs.busy_processes(hogs):
         for _ in range(repeats):
             _detect_once(how, floor, peer_timeout, bounds, quiets, latencies)
     if latencies:
@@ -88,7 +81,7 @@ def _detect_once(how: str, floor: float, peer_timeout: float, bounds: list, quie
 
 def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
     alarms, runs, loads = 0, 0, []
-    with busy_processes(spinners):
+    with procs.busy_processes(spinners):
         time.sleep(20)  # let the load average climb
         for loop in ("fit", "hand"):
             for _ in range(repeats):
@@ -111,7 +104,17 @@ def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
     )
 
 
-def main() -> None:
+QUICK: dict[str, Any] = {
+    "repeats": 1,
+    "steps": 50,
+    "spinners": 0,
+    "peer_timeouts": "10",
+    "hogs": "0",
+    "no_false_alarms": True,
+}  # --quick: a tiny size
+
+
+def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--floor", type=float, default=3.0, help="JDDP_STALL_FLOOR for every run (s)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -120,7 +123,10 @@ def main() -> None:
     parser.add_argument("--peer-timeouts", default="10,30,60", help="peer timeouts to measure detection at (s)")
     parser.add_argument("--hogs", default="0,2", help="busy processes beside the group, for each detection run")
     parser.add_argument("--no-false-alarms", action="store_true", help="skip the false-alarm runs")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(args: argparse.Namespace) -> Any:
     print(f"stall detector: floor {args.floor:g} s, 2 processes (a watchdog round is min(T/10, 1 s))")
     print(f"  load average at the start: {os.getloadavg()[0]:.2f}")
     for timeout in (float(t) for t in args.peer_timeouts.split(",")):
@@ -129,6 +135,10 @@ def main() -> None:
     detection("data", args.floor, args.repeats)
     if not args.no_false_alarms:
         false_alarms(args.floor, args.repeats, args.steps, args.spinners)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""jddp's step against hand-written jit(shard_map) steps and a single-device step.
+"""How much slower is jddp's step than hand-written jit(shard_map) steps of the same math, and a single device's?
 
 All variants run the same model (the MNIST-1D MLP), optimizer (AdamW) and
 global batches, interleaved round by round (order alternating) in one process
@@ -11,7 +11,7 @@ so that machine noise hits them alike. Prints the median time per step, the
 * ``jddp ignore`` (``nonfinite="ignore"``, as PyTorch DDP) against
   ``hand-written`` (value_and_grad, pmean, optax update).
 
-    python -m benchmarks.step_overhead --devices 8 --rounds 15 --steps 20
+    python -m benchmarks step_overhead --devices 8 --rounds 15 --steps 20
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import harness
+
+QUICK: dict[str, Any] = {"devices": 2, "rounds": 2, "steps": 2, "hidden": 32}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -31,8 +37,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     import jddp
 
     jddp.simulate_cpu_devices(args.devices)
@@ -196,6 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"{k} = {v:.3f}")
     print("target: jddp / hand-written of the same math <= 1.03")
     return {**ratios, **med}
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

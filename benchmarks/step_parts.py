@@ -1,6 +1,8 @@
-"""Where a data-parallel step's time goes at 2 processes: the computation alone, the all-reduce alone, jddp's steps.
+"""Where does a data-parallel step's time go at 2 processes: the computation, the all-reduce, jddp's steps?
 
-    python -m benchmarks.step_parts [--model mlp784] [--rounds 5] [--steps 10]
+Where a data-parallel step's time goes at 2 processes: the computation alone, the all-reduce alone, jddp's steps.
+
+    python -m benchmarks step_parts [--model mlp784] [--rounds 5] [--steps 10]
 
 Starts 2 processes under ``jddp launch --transport mpi`` (the ``jddp[mpi]``
 extra) and times, interleaved round by round, on the same batches:
@@ -24,8 +26,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import harness
 
 VARIANTS = ("compute only", "jddp xla", "jddp mpi", "mpi sum")
+
+QUICK: dict[str, Any] = {"model": "mlp", "rounds": 1, "steps": 2}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -36,14 +44,17 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     cmd = [sys.executable, "-m", "jddp.launch", "--transport", "mpi", "-n", "2", "-m", "benchmarks.step_parts"]
     cmd += ["--worker", args.model, str(args.rounds), str(args.steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"the group failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print("\n".join(line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] PART")))
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 def _worker(model: str, rounds: str, steps: str) -> None:

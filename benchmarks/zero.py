@@ -1,4 +1,4 @@
-"""ZeRO-1's memory: optimizer-state bytes per device over device counts, and the largest MLP under a memory cap.
+"""How much memory does ZeRO-1 save: optimizer-state bytes per device over device counts, the largest MLP under a cap?
 
 1. **Optimizer state per device.** An MLP (256 -> W -> W -> W -> 10, AdamW) is
    initialised on N = 1, 2, 4, 8 simulated devices with
@@ -14,8 +14,8 @@
    random data, to show that it runs and the loss falls, and the live bytes of
    its state per device are read back.
 
-    python -m benchmarks.zero
-    python -m benchmarks.zero --cap-mib 64 --width 2048
+    python -m benchmarks zero
+    python -m benchmarks zero --cap-mib 64 --width 2048
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ import argparse
 import itertools
 import os
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import harness
+
+QUICK: dict[str, Any] = {"width": 128, "cap_mib": 2.0, "steps": 2}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -35,8 +41,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     os.environ.setdefault("JDDP_LOCAL_DEVICES", "8")
     import jddp
 
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"1. AdamW state bytes per device, MLP 256-{args.width}-{args.width}-{args.width}-10 (live buffers)")
     print(f"{'devices':>7}  {'replicated':>12}  {'shard_optimizer':>15}  {'ratio to 1 device':>17}  {'x devices':>9}")
     params = real(mlp(args.width))
-    base = None
+    base, table = None, {}
     for n in (1, 2, 4, 8):
         row = []
         for shard in (False, True):
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             assert len(set(per_device.values())) == 1, per_device  # the same on every device
             row.append(next(iter(per_device.values())))
         base = base or row[1]
+        table[n] = {"replicated": row[0], "shard_optimizer": row[1]}
         print(f"{n:>7}  {row[0]:>12,}  {row[1]:>15,}  {row[1] / base:>17.4f}  {row[1] * n / base:>9.4f}")
 
     # 2. The widest MLP whose step fits the cap on 8 devices.
@@ -148,6 +154,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{live / 2**20:>16.2f}   ({time.perf_counter() - start:.1f} s)")  # fmt: skip
     ratio = widest[True] / widest[False]
     print(f"\nwidth x{ratio:.2f}, parameters x{ratio**2:.2f} (the three W x W layers dominate)")
+    widest_by = {"shard_optimizer" if shard else "replicated": w for shard, w in widest.items()}
+    return {"opt_state_bytes_per_device": table, "widest": widest_by, "width_ratio": ratio}
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""jddp against hand-written JAX and PyTorch DDP: the same MLP and CNN, the same batches, interleaved.
+"""How does jddp's step compare with hand-written JAX and PyTorch DDP on the same models and batches?
+
+jddp against hand-written JAX and PyTorch DDP: the same MLP and CNN, the same batches, interleaved.
 
 For each process count (``--processes 1,2``) one group of processes is started
 through ``jddp launch`` (one CPU device per process). Every process joins
@@ -19,7 +21,7 @@ the first steps are compared (the same math must give the same loss), then
 Prints median ms per step, the p10-p90 range and each variant's step-time
 ratio to ``jax`` and to ``torch`` (below 1: faster).
 
-    python -m benchmarks.peers --processes 1,2 --models mlp,cnn --rounds 9
+    python -m benchmarks peers --processes 1,2 --models mlp,cnn --rounds 9
 
 PyTorch runs with ``--torch-threads`` intra-op threads (default 1, what
 ``torchrun`` sets for several processes): on this shared 2-core machine 2
@@ -39,12 +41,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import Any
 
+from benchmarks import harness
 from jddp import net
 from jddp.benchmark import models
 
 VARIANTS = ("jddp", "jddp per-leaf", "jax", "torch")
 MPI_VARIANT = "jddp mpi"  # with --transport mpi: DataParallel(transport="mpi"), the sum through MPI_Allreduce
+
+QUICK: dict[str, Any] = {"processes": "1", "models": "mlp", "steps": 3, "rounds": 1}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -61,12 +68,10 @@ def get_args_parser() -> argparse.ArgumentParser:
         default="xla",
         help="mpi: the group runs under `jddp launch --transport mpi` and adds the `jddp mpi` variant (jddp[mpi])",
     )
-    p.add_argument("--json", default=None, help="also write the figures here")
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = get_args_parser().parse_args(argv)
+def bench(args: argparse.Namespace) -> Any:
     results = {}
     for nprocs in (int(v) for v in args.processes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
@@ -100,10 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{med / jax_med:>8.3f}{med / torch_med:>8.3f}")  # fmt: skip
         print(f"{'':<14}first losses agree to {r['loss_diff']:.1e}; final losses: "
               + ", ".join(f"{v} {loss:.5f}" for v, loss in r["final_loss"].items()))  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
     return results
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 # ----------------------------------------------------------------- worker
