@@ -29,8 +29,6 @@ def type_hints(schema: type) -> dict[str, Any]:
 # OmegaConf as a copy with those types made Optional (OmegaConf refuses the None default otherwise); the copy's
 # instances are turned back into the schema's, whose __post_init__ then runs. Other schemas go as they are.
 COPIES: dict[type, type] = {}  # schema -> the copy OmegaConf gets (the schema itself when none is needed)
-
-
 ORIGINALS: dict[type, type] = {}  # copy -> schema
 
 
