@@ -151,9 +151,9 @@ def test_run_log_keeps_no_key_per_record(tmp_path):
 def test_fit_history_keeps_the_last_records(tmp_path, monkeypatch):
     # FitResult.history kept every record of the call (one per log_every steps, and per evaluation and epoch): about
     # 0.1 MB per 1000 steps, without bound. It keeps the last HISTORY_KEEP, the same as the end of metrics.jsonl.
-    from jddp import logs, loop
+    from jddp import fit_outputs, logs
 
-    monkeypatch.setattr(loop, "HISTORY_KEEP", 5)
+    monkeypatch.setattr(fit_outputs, "HISTORY_KEEP", 5)
     mesh = jddp.data_mesh(jax.devices()[:1])
 
     def loss_fn(params, model_state, batch, key):

@@ -178,7 +178,7 @@ def test_a_state_read_later_is_the_state_at_the_call_whatever_follows(seed):
     """``get_state_later`` (what in-memory snapshots read in their writer) at drawn points of a run, some steps read
     before it and some pending: called after more steps were added, computed, and the means reset, it returns what
     ``get_state`` returned at the call, for the window and the epoch that counts it (``jddp.fit``'s pair)."""
-    from jddp.loop import _Means
+    from jddp.fit_loop import Means as _Means
 
     table = rows(seed, 30)
     draws = np.random.default_rng(seed)
