@@ -1,12 +1,15 @@
 """``Checkpointer``: saves and restores the complete training state on Orbax (the manual is in ``jddp.checkpoint``).
 
-About 450 lines, over the ~400 of the style guide: saving and restoring share one
-Orbax manager, its writer thread and the step bookkeeping (the last step saved,
-the steps not yet known written, a failed write reopening the manager), and
-split apart they would pass that state back and forth. What does not share it
-is in modules of their own: digests, the hand-over of buffers, preemption, the
-lease, the directory's checks and messages (``storage``) and reading one step
-back (``restore``).
+About 650 lines, over the ~450 of the style guide, because one object holds one
+state: saving, the preemption save and restoring share one Orbax manager, its
+writer thread and the step bookkeeping (the host-side step, the last step saved,
+the steps not yet known written, a failed write or a damaged step reopening the
+manager), and split apart they would pass that state back and forth. What does
+not share it is in modules of their own: the arguments' checks (``checks``),
+Orbax's options, handlers and items (``orbax_io``), the restore from in-memory
+snapshots agreed between processes (``snapshot_restore``), digests, the
+hand-over of buffers, preemption, the lease, the directory's checks and messages
+(``storage``) and reading one step back (``restore``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import sys
 import time
 import warnings
 import weakref
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,10 +29,20 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jddp import envvars, exitcodes, validate
-from jddp._version import __version__
-from jddp.checkpoint import digest, handoff, lease, preemption, restore, snapshot, storage
+from jddp.checkpoint import (
+    checks,
+    digest,
+    handoff,
+    lease,
+    orbax_io,
+    preemption,
+    restore,
+    snapshot,
+    snapshot_restore,
+    storage,
+)
 from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
-from jddp.checkpoint.restore import DAMAGED_SUFFIX, EXTRA, LOADER, META, STATE
+from jddp.checkpoint.restore import DAMAGED_SUFFIX
 from jddp.runtime import dispatch, distributed, memory, progress, standby, watchdog
 from jddp.runtime.state import TrainState
 
@@ -112,46 +124,21 @@ class Checkpointer:
         snapshot_every: int | None = None,
     ) -> None:
         distributed.check_joined()
-        validate.check_int("save_every", save_every, optional=True)
-        validate.check_int("max_to_keep", max_to_keep, optional=True)
-        for name, value, low in (
-            ("preemption_check_s", preemption_check_s, 0),
-            ("lease_timeout_s", lease_timeout_s, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (low <= value < float("inf")):
-                raise ValueError(f"`{name}` must be a finite number >= {low}, got {name}={value!r}.")
-        validate.check_bool("snapshots", snapshots, optional=True)
-        validate.check_int("snapshot_every", snapshot_every, optional=True)
-        validate.check_number("snapshot_budget", snapshot_budget, unit="a share of the step time, e.g. 0.01")
-        if snapshot_budget > 1:
-            raise ValueError(
-                f"`snapshot_budget` is a share of the step time, at most 1, got snapshot_budget={snapshot_budget!r}; "
-                "e.g. 0.01 lets snapshots take 1% of it."
-            )
-        snapshot_root = snapshot.root()  # a bad $JDDP_SNAPSHOT_DIR is refused here, naming it
-        if snapshots and snapshot_root is None:
-            raise ValueError(
-                "snapshots=True needs $JDDP_SNAPSHOT_DIR, a directory in memory that outlives the processes (jddp "
-                "launch sets one; under another launcher set it to a directory in /dev/shm that the job removes at "
-                "its end), or pass snapshots=None to keep them only where it is set."
-            )
-        if read_only and snapshots:
-            raise ValueError("A read-only Checkpointer never saves, so it takes no snapshots: drop snapshots=True.")
-        for name, value in (
-            ("read_only", read_only),
-            ("allow_config_change", allow_config_change),
-            ("async_save", async_save),
-            ("exit_on_preemption", exit_on_preemption),
-        ):
-            validate.check_bool(name, value)
-        validate.check_int("timeout_s", timeout_s, fix="A number of seconds for an async save to finish.")
-        if isinstance(directory, str | os.PathLike) and os.fspath(directory).strip():
-            directory = str(validate.check_path("directory", directory))  # "~/x" expanded, "~nobody/x" refused
-        if read_only and save_every is not None:
-            raise ValueError(
-                f"A read-only Checkpointer never saves, got save_every={save_every}. Drop save_every, or open it "
-                "for writing."
-            )
+        directory, snapshot_root = checks.check_options(
+            directory,
+            save_every=save_every,
+            max_to_keep=max_to_keep,
+            allow_config_change=allow_config_change,
+            async_save=async_save,
+            exit_on_preemption=exit_on_preemption,
+            timeout_s=timeout_s,
+            preemption_check_s=preemption_check_s,
+            read_only=read_only,
+            lease_timeout_s=lease_timeout_s,
+            snapshots=snapshots,
+            snapshot_budget=snapshot_budget,
+            snapshot_every=snapshot_every,
+        )
         fingerprint = digest.config_fingerprint(config)  # a config it cannot read: refused before the directory
         self.directory = storage.resolve(directory)
         self.read_only = read_only
@@ -207,14 +194,8 @@ class Checkpointer:
         if not read_only:
             storage.check_writable(self.directory, probe=jax.process_index() != 0 or storage.is_remote(self.directory))
             self._lease = lease.take(self.directory, lease_timeout_s)
-        self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else self.max_to_keep,
-            create=not read_only,
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-            save_interval_steps=0 if read_only else 1,
-            enable_async_checkpointing=async_save and not read_only,
-            async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
+        self._options = orbax_io.manager_options(
+            read_only=read_only, max_to_keep=self.max_to_keep, async_save=async_save, timeout_s=timeout_s
         )
         try:
             self._manager = self._open()
@@ -261,15 +242,7 @@ class Checkpointer:
             )
 
     def _open(self):
-        handlers = {
-            STATE: ocp.StandardCheckpointHandler(),
-            LOADER: ocp.JsonCheckpointHandler(),
-            EXTRA: ocp.JsonCheckpointHandler(),
-            META: digest.MetaHandler(),
-        }
-        manager = ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
-        storage.finish_cleanup(manager)
-        return manager
+        return orbax_io.open_manager(self.directory, self._options)
 
     def all_steps(self) -> list[int]:
         """Steps with a published checkpoint, oldest first (read afresh from the directory when read-only)."""
@@ -334,13 +307,10 @@ class Checkpointer:
                 f"This Checkpointer of {str(self.directory)!r} is read-only (read_only=True): it never saves. Open "
                 "one without read_only in the training run."
             )
-        _check_state(state, "")
+        checks.check_state(state, "")
         validate.check_bool("wait", wait)
-        if loader is not None and not callable(getattr(loader, "get_state", None)):
-            raise TypeError(
-                f"`loader` must be a jddp.data.DataLoader (something with get_state), got {type(loader).__name__}."
-            )
-        _check_stateful("extra", extra, "get_state")
+        checks.check_loader(loader, "get_state")
+        checks.check_stateful("extra", extra, "get_state")
         lease.check_held(self._lease, self.directory)
         dispatch.DISPATCHER.drain()
         self._join()  # one save at a time, as Orbax keeps it
@@ -357,25 +327,9 @@ class Checkpointer:
             if wait:
                 self.wait()
             return step
-        meta = {
-            "step": step,
-            "processes": jax.process_count(),
-            "devices": jax.device_count(),
-            "config_fingerprint": self.fingerprint,
-            "config": self.config,
-            "versions": {"jddp": __version__, "jax": jax.__version__, "orbax": _orbax_version()},
-            "leaves": digest.describe_leaves(tree, layouts),  # logical shapes: a sharded state's padding varies
-            "empty_nodes": digest.empty_nodes(tree),  # the rest of the structure (an optimizer's EmptyStates)
-            "padded": any(lay is not None and lay.padded for lay in layouts),
-            "digests": concurrent.futures.Future(),  # set below; read by MetaHandler in the background
-            "time": time.time(),
-        }
+        meta = orbax_io.step_meta(step, tree, layouts, fingerprint=self.fingerprint, config=self.config)
         saved = jax.tree.map(handoff.one_copy_per_process, tree)
-        items = {STATE: ocp.args.StandardSave(saved), META: digest.MetaSave(meta)}
-        if loader is not None:
-            items[LOADER] = ocp.args.JsonSave(loader.get_state())
-        if extra is not None:
-            items[EXTRA] = ocp.args.JsonSave(extra.get_state())
+        items = orbax_io.step_items(saved, meta, loader, extra)
         digests = meta["digests"]
         # The steps since the last wait() not yet seen published; one seen is confirmed (retention may delete it
         # later, which is no failed write). Without this a long run's error listed every step it had saved.
@@ -469,7 +423,7 @@ class Checkpointer:
             unless ``exit_on_preemption=False``.
         """
         self._check_open("save")
-        _check_state(state, "")
+        checks.check_state(state, "")
         if self._step is None:
             self._step = int(jax.device_get(state.step))
         else:
@@ -585,58 +539,20 @@ class Checkpointer:
             ``allow_config_change``), or another data setup (the loader says which).
         """
         self._check_open("restore")
-        _check_state(state, " from DataParallel.init")
-        if loader is not None and not callable(getattr(loader, "set_state", None)):
-            raise TypeError(
-                f"`loader` must be a jddp.data.DataLoader (something with set_state), got {type(loader).__name__}."
-            )
-        _check_stateful("extra", extra, "set_state")
+        checks.check_state(state, " from DataParallel.init")
+        checks.check_loader(loader, "set_state")
+        checks.check_stateful("extra", extra, "set_state")
         standby.wait()  # a standby process of the next attempt (jddp launch) waits here for the failure
         dispatch.DISPATCHER.drain()
         start = time.perf_counter()
         failures = []
         self.restored_from = None
-        restored = self._restore_from_memory(state)
+        found = snapshot_restore.from_memory(self._snapshots, state, self.fingerprint, self.latest_step)
+        restored, self.restored_from = found if found is not None else (None, None)
         if self._snapshots is not None:  # every process is past the restore's collectives: nobody reads them now
             self._snapshots.forget_others()
-        tried: set[int] = set()
-        while restored is None:
-            # Read-only, the list is read afresh after a failure: the writer's retention may have removed the step.
-            candidates = [s for s in reversed(self.all_steps()) if s not in tried]
-            if not candidates:
-                break
-            step = candidates[0]
-            tried.add(step)
-            meta, reason = restore.read_meta(self.directory, step)
-            if meta is not None:
-                restore.check_compatible(self, step, meta, state)  # a wrong model or config is an error, not damage
-                result, reason = restore.try_restore(
-                    self._manager, self.directory, step, meta, state, loader, extra, read_only=self.read_only
-                )
-            if preemption.all_agree(reason is None):
-                restored = result
-                self.restored_from = "disk"
-                break
-            if reason is not None and restore.ORBAX_STRUCTURE_MISMATCH in reason:  # saved before "empty_nodes"
-                raise ValueError(
-                    f"Checkpoint step {step} in {self.directory} does not fit the state here: Orbax finds the saved "
-                    "tree's structure different (the optimizer or the model changed, e.g. adam -> adamw, with the "
-                    f"same arrays). {reason}. Restore with the optimizer and model it was saved with."
-                )
-            if self.read_only and not (self.directory / str(step)).exists():
-                continue  # removed by the writer's max_to_keep meanwhile: not damage
-            reason = reason or "damaged on another process"
-            failures.append((step, reason))
-            what = "leaving it in place (read-only)" if self.read_only else f"moving it to {step}{DAMAGED_SUFFIX}"
-            warnings.warn(
-                f"Checkpoint step {step} in {self.directory} cannot be used ({reason}); {what} and trying the "
-                "previous one.",
-                CheckpointWarning,
-                stacklevel=3,
-            )
-            if not self.read_only:
-                restore.set_aside(self.directory, step)
-                self._manager = self._open()
+        if restored is None:
+            restored, failures = self._restore_from_disk(state, loader, extra)
         self.damaged.extend(failures)
         if restored is None and failures:
             listed = "; ".join(f"step {s}: {r}" for s, r in failures)
@@ -670,110 +586,49 @@ class Checkpointer:
         progress.set_step(step)
         return (new_state, loader) if loader is not None else new_state
 
-    def _restore_from_memory(self, state: TrainState):
-        """The newest in-memory snapshot step that every process holds complete and that is not older than the
-        newest checkpoint on disk, restored as ``try_restore`` restores a disk step; None when there is none (or
-        none loads on every process). The steps and the outcome are agreed with collectives."""
-        snaps = self._snapshots
-        if snaps is None and jax.process_count() == 1:
-            return None
-        mine = snaps.steps()[: 2 * snapshot.KEEP] if snaps is not None else []
-        newest_disk = self.latest_step()
-        row = np.full(1 + 2 * snapshot.KEEP, -1, np.int32)
-        row[0] = -1 if newest_disk is None else newest_disk
-        row[1 : 1 + len(mine)] = mine
-        rows = row[None]
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            with watchdog.waiting():
-                rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
-        for step in snapshot.choose(rows):
-            assert snaps is not None  # every process holds the step
-            try:
-                tree, loader_state, extra_state = snaps.load(step, restore.as_dict(state), self.fingerprint)
-                reason = None
-            except snapshot.Unusable as error:
-                reason = str(error)
+    def _restore_from_disk(self, state: TrainState, loader, extra):
+        """``restore_or_init``'s disk part: the newest checkpoint that loads on every process (agreed), each one
+        that does not set aside (a writer) and warned of; returns ``(restored or None, [(step, reason)] of those)``.
+        """
+        restored, failures, tried = None, [], set()
+        while restored is None:
+            # Read-only, the list is read afresh after a failure: the writer's retention may have removed the step.
+            candidates = [s for s in reversed(self.all_steps()) if s not in tried]
+            if not candidates:
+                break
+            step = candidates[0]
+            tried.add(step)
+            meta, reason = restore.read_meta(self.directory, step)
+            if meta is not None:
+                restore.check_compatible(self, step, meta, state)  # a wrong model or config is an error, not damage
+                result, reason = restore.try_restore(
+                    self._manager, self.directory, step, meta, state, loader, extra, read_only=self.read_only
+                )
             if preemption.all_agree(reason is None):
-                snaps.drop_after(step)
-                self.restored_from = "memory"
-                return TrainState(**tree, opt_layout=state.opt_layout), loader_state, extra_state, step
+                restored = result
+                self.restored_from = "disk"
+                break
+            if reason is not None and restore.ORBAX_STRUCTURE_MISMATCH in reason:  # saved before "empty_nodes"
+                raise ValueError(
+                    f"Checkpoint step {step} in {self.directory} does not fit the state here: Orbax finds the saved "
+                    "tree's structure different (the optimizer or the model changed, e.g. adam -> adamw, with the "
+                    f"same arrays). {reason}. Restore with the optimizer and model it was saved with."
+                )
+            if self.read_only and not (self.directory / str(step)).exists():
+                continue  # removed by the writer's max_to_keep meanwhile: not damage
+            reason = reason or "damaged on another process"
+            failures.append((step, reason))
+            what = "leaving it in place (read-only)" if self.read_only else f"moving it to {step}{DAMAGED_SUFFIX}"
             warnings.warn(
-                f"The in-memory snapshot of step {step} cannot be used ({reason or 'not on another process'}); "
-                "trying an older one, then the checkpoints on disk.",
+                f"Checkpoint step {step} in {self.directory} cannot be used ({reason}); {what} and trying the "
+                "previous one.",
                 CheckpointWarning,
                 stacklevel=4,
             )
-        return self._restore_from_a_peer(state, rows)
-
-    def _restore_from_a_peer(self, state: TrainState, rows: np.ndarray):
-        """When no step is held by every process (a process whose host's memory was lost, a replaced host): the
-        newest step some process holds, not older than the disk's, sent to every process from the first that
-        holds it. Each process of a data-parallel run holds every leaf whole, so any process is every other's
-        buddy, at no cost while training; a state split over the processes (ZeRO-1) is restored from disk."""
-        from jax.experimental import multihost_utils
-
-        found = snapshot.newest_held(rows) if jax.process_count() > 1 else None
-        other: Path | None = None  # the file of another process count's snapshot, on the holder
-        if found is None:
-            # A group of another process count (an elastic run's next round, jddp launch --nnodes MIN:MAX): the
-            # snapshots the round before left on the hosts, of whole leaves, restore onto any count.
-            others = self._snapshots.others() if self._snapshots is not None else {}
-            row = np.full(1 + 2 * snapshot.KEEP, -1, np.int32)
-            held = list(others)[: 2 * snapshot.KEEP]
-            row[1 : 1 + len(held)] = held
-            other_rows = row[None]
-            if jax.process_count() > 1:
-                with watchdog.waiting():
-                    other_rows = np.array(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
-            other_rows[:, 0] = rows[:, 0]  # each process's newest step on disk, as gathered before
-            found = snapshot.newest_held(other_rows)
-            if found is None:
-                return None
-            if found[1] == jax.process_index():
-                other = others[found[0]]
-        step, holder = found
-        mine = holder == jax.process_index()
-        file, reason = np.zeros(0, np.uint8), None
-        if mine:
-            assert self._snapshots is not None  # it listed the step
-            try:
-                file = self._snapshots.read_for_peers(step, restore.as_dict(state), self.fingerprint, path=other)
-            except snapshot.Unusable as error:
-                reason = str(error)
-        size = np.asarray([file.size if mine and reason is None else -1], np.int32)
-        with watchdog.waiting():
-            size = int(multihost_utils.broadcast_one_to_all(size, is_source=mine)[0])
-        if size < 0:
-            warnings.warn(
-                f"The in-memory snapshot of step {step} on process {holder} cannot be sent to the processes that "
-                f"lack one ({reason or 'see that process'}); restoring from the checkpoints on disk.",
-                CheckpointWarning,
-                stacklevel=4,
-            )
-            return None
-        with watchdog.waiting():
-            blob = multihost_utils.broadcast_one_to_all(file if mine else np.zeros(size, np.uint8), is_source=mine)
-        try:
-            tree, loader_state, extra_state = snapshot.decode(
-                np.asarray(blob, np.uint8), step, restore.as_dict(state), self.fingerprint, whole=True
-            )
-            reason = None
-        except snapshot.Unusable as error:
-            reason = str(error)
-        if not preemption.all_agree(reason is None):
-            warnings.warn(
-                f"The in-memory snapshot of step {step} sent by process {holder} cannot be used "
-                f"({reason or 'on another process'}); restoring from the checkpoints on disk.",
-                CheckpointWarning,
-                stacklevel=4,
-            )
-            return None
-        if self._snapshots is not None:
-            self._snapshots.drop_after(step)
-        self.restored_from = "peer"
-        return TrainState(**tree, opt_layout=state.opt_layout), loader_state, extra_state, step
+            if not self.read_only:
+                restore.set_aside(self.directory, step)
+                self._manager = self._open()
+        return restored, failures
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -795,31 +650,3 @@ def _close_at_exit(ref: weakref.ref) -> None:
         ckpt._close(remove_snapshots=False)  # an uncaught error may have ended the script: the restart needs them
     except Exception as error:  # at exit nobody can catch it: say it
         print(f"jddp: the Checkpointer of {str(ckpt.directory)!r} failed to close at exit: {error}", file=sys.stderr)
-
-
-def _check_state(state, source: str) -> None:
-    """``state`` a TrainState whose leaves are live jax.Arrays (not a NumPy copy, not donated)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"`state` must be a jddp.TrainState{source}, got {type(state).__name__}.")
-    # The step counter stands for the state (donated with it, on the devices with it): checking it alone does not
-    # flatten the parameters at every maybe_save.
-    if not isinstance(state.step, jax.Array):
-        raise TypeError(
-            f"`state` must hold jax.Arrays on the devices, got state.step of type {type(state.step).__name__} (a "
-            f"host copy?). Pass the TrainState{source or ' from DataParallel.step'} itself."
-        )
-    if state.step.is_deleted():
-        raise ValueError("`state` was donated to a later step: its arrays are deleted. Pass the state step returned.")
-
-
-def _check_stateful(name: str, value, method: str) -> None:
-    if value is not None and not callable(getattr(value, method, None)):
-        raise TypeError(
-            f"`{name}` must have get_state() and set_state(state) (JSON-able state), got {type(value).__name__}."
-        )
-
-
-def _orbax_version() -> str:
-    from importlib.metadata import version
-
-    return version("orbax-checkpoint")
