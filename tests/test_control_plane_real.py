@@ -14,7 +14,7 @@ import pytest
 
 import jddp
 from benchmarks import control_plane, control_plane_real
-from jddp.runtime import coordinator, distributed, host, jax_internals, progress, watchdog
+from jddp.runtime import coordinator, distributed, host, jax_internals, process_group, progress, watchdog
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_every_call_of_a_barrier_and_an_all_gather_is_counted(client, monkeypatc
     assert wrapped is counted and jax_internals.distributed_client() is counted and counted.client is client
     # a group of one, as jddp.initialize leaves it; its watchdog built with the client it asks for (not started:
     # its announce, which the collective calls make, is what is tested)
-    monkeypatch.setattr(distributed, "_group", distributed.ProcessGroup("x", 1, 0, 30.0))
+    monkeypatch.setattr(process_group, "_group", process_group.ProcessGroup("x", 1, 0, 30.0))
     monkeypatch.setattr(distributed, "_barrier_counts", {})
     monkeypatch.setattr(host, "_calls", 0)
     dog = watchdog.Watchdog(jax_internals.distributed_client(), 0, 1, None, 30.0)

@@ -231,13 +231,13 @@ def test_jddp_stall_false_turns_the_detector_off(monkeypatch, text, enabled):
 @pytest.mark.parametrize("text", ["inf", "nan", "1e400", "0", "-3"])
 def test_initialize_refuses_a_timeout_that_is_not_a_finite_positive_number(monkeypatch, name, text):
     """``JDDP_PEER_TIMEOUT=inf`` passed the check (inf > 0) and crashed every process later."""
-    from jddp.runtime import distributed
+    from jddp.runtime import join_settings
 
     monkeypatch.setenv(name, text)
     with pytest.raises(ValueError, match=re.escape(f"${name}={text!r} must be")):
-        distributed._Settings.resolve(None, None, None, None, None, None, None)
+        join_settings.Settings.resolve(None, None, None, None, None, None, None)
     with pytest.raises(ValueError, match=r"must be a positive, finite number of seconds, got peer_timeout_s=inf"):
-        distributed._Settings.resolve(None, None, None, None, 10.0, math.inf, None)
+        join_settings.Settings.resolve(None, None, None, None, 10.0, math.inf, None)
 
 
 # ----------------------------------------------------------------- (c) every option of every jddp command

@@ -16,7 +16,7 @@ import jddp
 from jddp.cli import launch as launch_lib
 from jddp.cli import output
 from jddp.engine import mpi
-from jddp.runtime import distributed
+from jddp.runtime import join_settings
 from tests import multiprocess
 from tests.workers import train_mlp
 
@@ -131,9 +131,9 @@ def test_started_by_mpiexec_without_mpi4py_is_an_error_not_a_lone_run(monkeypatc
     monkeypatch.setenv("PMI_SIZE", "4")
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(RuntimeError, match=r"rank 1 of 4 \(PMI_RANK, PMI_SIZE\), but mpi4py cannot be imported"):
-        distributed._from_mpi()
+        join_settings.from_mpi()
     monkeypatch.setenv("PMI_SIZE", "1")  # a world of one: nothing to join
-    assert distributed._from_mpi() is None
+    assert join_settings.from_mpi() is None
 
 
 def test_launcher_refuses_mpi_with_several_nodes_or_devices():

@@ -23,7 +23,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jddp import validate
-from jddp.runtime import jax_internals
+from jddp.runtime import jax_internals, process_group, topology
 
 DATA_AXIS = "data"
 
@@ -90,9 +90,7 @@ def data_mesh(
       >>> mesh.axis_names
       ('data',)
     """
-    from jddp.runtime import distributed
-
-    distributed.check_joined()
+    process_group.check_joined()
     if devices is not None and (isinstance(devices, str | bytes) or not hasattr(devices, "__iter__")):
         raise TypeError(
             f"`devices` must be a list of jax devices (e.g. `jax.devices()[:4]`) or None for all, got "
@@ -110,7 +108,7 @@ def data_mesh(
     if len(set(devices)) != len(devices):
         raise ValueError(f"`devices` names a device more than once, got devices={devices}; list each once.")
     devices.sort(key=lambda d: (d.process_index, d.id))
-    distributed.announce_topology()  # once per run: a script that never calls initialize still says where it runs
+    topology.announce_topology()  # once per run: a script that never calls initialize still says where it runs
     return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
 
 

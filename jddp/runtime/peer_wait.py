@@ -34,4 +34,3 @@ def waiting():
         yield
     finally:
         watchdog.waiting_since = None
-
