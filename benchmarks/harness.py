@@ -141,11 +141,16 @@ def busy(load: Mapping[str, Any], cores: int | None) -> bool:
 # --- pairing -----------------------------------------------------------------------------------------------------
 
 
+def ab_order(names: Sequence[str], r: int) -> list[str]:
+    """Round ``r``'s order of the arms: as given in even rounds, reversed in odd ones."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
 def abba(names: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
     """``(round, name)`` in the order A B, B A, A B, ...: the order reversed every other round, so that no arm
     always runs first."""
     for r in range(rounds):
-        for name in names if r % 2 == 0 else list(reversed(names)):
+        for name in ab_order(names, r):
             yield r, name
 
 

@@ -54,13 +54,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def median_ci(ratios, rng, resamples: int = 2000) -> tuple[float, float, float]:
-    """Median of ``ratios`` - 1 and its bootstrap 95% interval."""
+def median_ci(ratios) -> tuple[float, float, float]:
+    """Median of ``ratios`` - 1 and its bootstrap 95% interval (``harness.bootstrap_median``)."""
     import numpy as np
 
     r = np.asarray(ratios) - 1
-    boot = np.median(rng.choice(r, size=(resamples, len(r))), axis=1)
-    return float(np.median(r)), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+    return (float(np.median(r)), *harness.bootstrap_median(r))
 
 
 def bench(args: argparse.Namespace) -> Any:
@@ -148,18 +147,15 @@ def bench(args: argparse.Namespace) -> Any:
         state = run()
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
-    orders = list(itertools.permutations(variants))
-    for r in range(args.rounds):
-        for name in orders[r % len(orders)]:
-            t, c = time.perf_counter(), time.process_time()
-            state = variants[name]()
-            wall[name].append((time.perf_counter() - t) / args.steps)
-            cpu[name].append((time.process_time() - c) / args.steps)
+    for _, name in harness.permuted(list(variants), args.rounds):
+        t, c = time.perf_counter(), time.process_time()
+        state = variants[name]()
+        wall[name].append((time.perf_counter() - t) / args.steps)
+        cpu[name].append((time.process_time() - c) / args.steps)
     med = {k: float(np.median(v)) for k, v in wall.items()}
     consumed = bs / med["pre-staged"]
-    boot = np.random.default_rng(0)
-    slow = {k: median_ci(np.divide(wall[k], wall["pre-staged"]), boot) for k in ("loader", "A/A control")}
-    slow_cpu = {k: median_ci(np.divide(cpu[k], cpu["pre-staged"]), boot) for k in ("loader", "A/A control")}
+    slow = {k: median_ci(np.divide(wall[k], wall["pre-staged"])) for k in ("loader", "A/A control")}
+    slow_cpu = {k: median_ci(np.divide(cpu[k], cpu["pre-staged"])) for k in ("loader", "A/A control")}
 
     print(f"source {args.examples} x 40 float32, global batch {bs}, {args.devices} simulated devices, 2-core CPU")
     for w, rate in rates.items():

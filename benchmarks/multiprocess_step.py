@@ -267,12 +267,11 @@ def bench(args: argparse.Namespace) -> Any:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}.")
     times = {t: {v: [] for v in variants} for t in topologies}
-    for r in range(args.rounds):
-        for t in topologies if r % 2 == 0 else topologies[::-1]:
-            started = time.perf_counter()
-            for v, ms in launch(t, args).items():
-                times[t][v].extend(ms)
-            print(f"round {r + 1}/{args.rounds} {t}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    for r, t in harness.abba(topologies, args.rounds):
+        started = time.perf_counter()
+        for v, ms in launch(t, args).items():
+            times[t][v].extend(ms)
+        print(f"round {r + 1}/{args.rounds} {t}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     median = {t: {v: float(np.median(times[t][v])) for v in variants} for t in topologies}
     p90 = {t: {v: float(np.percentile(times[t][v], 90)) for v in variants} for t in topologies}
     base = topologies[0]

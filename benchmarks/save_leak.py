@@ -4,7 +4,7 @@ Memory kept per checkpoint save and per in-memory snapshot: one process, or a gr
 
     python -m benchmarks save_leak [--mode jddp] [--saves 3000] [--every 100] [--sync] [--direct]
                                    [--max-to-keep 3] [--trace DEPTH] [--tuned]
-    python -m jddp.launch -n 2 benchmarks/save_leak.py --mode jddp ...    # the same in a group of 2
+    python -m jddp.launch -n 2 -m benchmarks save_leak --mode jddp ...    # the same in a group of 2
 
 The MNIST-1D MLP's state (40-256-256-10 with AdamW: about 1 MB), a ``DataParallel`` step then a save at every
 step. ``--mode``:
@@ -27,7 +27,7 @@ and with ``--trace`` Python's traced bytes (tracemalloc); at the end, the least-
 over the second half of the saves, and with ``--trace DEPTH`` the tracebacks (DEPTH frames) that grew most over
 that half. In use flat while held and resident grow is the allocator's (fragmentation, pages touched for the first
 time), not a leak. ``--tuned`` re-executes the script with ``jddp launch``'s allocator settings (``GLIBC_TUNABLES``,
-``jddp.cli.launch.MALLOC_TUNABLES``), which a group under ``jddp launch`` has already.
+``MALLOC_TUNABLES``, as ``jddp launch`` sets it), which a group under ``jddp launch`` has already.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+
+# The GLIBC_TUNABLES jddp launch gives its processes (jddp/cli/launch/environment.py), for --tuned alone
+MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=17179869184"
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -149,9 +152,7 @@ def bench(args: argparse.Namespace) -> Any:
     if args.saves < 2 * args.every or args.every < 1 or args.warm_up < 0:
         get_args_parser().error(f"--saves must be >= 2 x --every, --every >= 1, --warm-up >= 0; got {vars(args)}")
     if args.tuned and "GLIBC_TUNABLES" not in os.environ:  # glibc reads it at the process's start only
-        from jddp.cli.launch import MALLOC_TUNABLES
-
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.save_leak", *sys.argv[1:]],
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
                   {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES})  # fmt: skip
 
     import jax

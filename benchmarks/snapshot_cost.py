@@ -43,8 +43,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +94,7 @@ def worker(args) -> None:
     a ``Checkpointer`` with snapshots on, ``maybe_save`` every step; blocks of ``--block`` steps alternate (ABBA)
     between snapshots on and off. Off, the snapshot's ``take`` does nothing (the interval is still proposed and
     agreed, the disk saves are the same); an on block ends once its last snapshot is written. ``--model lm``: the
-    LM example's model and optimizer instead (``lm_worker_setup``), batches from its loader."""
+    LM example's model and optimizer instead (``benchmarks/lm.py``), batches from its loader."""
     import jax
     import optax
 
@@ -106,7 +104,9 @@ def worker(args) -> None:
     jddp.initialize(verbose=False)
     mesh = jddp.data_mesh()
     if args.model == "lm":
-        dp, state, batches = lm_worker_setup(mesh)
+        from benchmarks import lm
+
+        dp, state, batches = lm.setup(mesh)
     else:
 
         def loss_fn(params, model_state, batch, rng):
@@ -155,9 +155,8 @@ def worker(args) -> None:
         block("on")
     taken_on = 0
     times: dict[str, list[float]] = {"on": [], "off": []}
-    for i in range(args.blocks):
-        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
-            times[mode].append(block(mode) * 1e3)
+    for _, mode in harness.abba(("on", "off"), args.blocks):
+        times[mode].append(block(mode) * 1e3)
     ckpt.close()
     if jax.process_index() == 0:
         # the snapshots' own measure of their cost (what sizes the interval), for comparison with the blocks'
@@ -169,34 +168,6 @@ def worker(args) -> None:
             "taken_on": taken_on,
         }
         print("RESULT " + json.dumps({"times_ms": times, **summary}), flush=True)
-
-
-def lm_worker_setup(mesh):
-    """The LM example's model, optimizer and ``DataParallel`` (``examples/lm/train.py``, its default config), and 8
-    of its training batches from its loader, staged on the devices."""
-    import itertools
-
-    import jax
-    import optax
-
-    import jddp
-    from examples.lm import data as data_lib
-    from examples.lm import train as lm
-    from jddp import models
-
-    config = lm.Config()
-    graphdef, params, model_state = lm.make_model(config)
-    dp = jddp.DataParallel(
-        models.nnx_loss(graphdef, lambda m, batch, rng: lm.language_model_metrics(lm.forward(m, batch), batch)),
-        optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
-        mesh=mesh,
-        clip_grad_norm=config.clip_grad_norm,
-    )
-    state = dp.init(params, model_state, rng=config.seed)
-    corpus = data_lib.load(config.seq_len, test_modulus=config.test_modulus)
-    loader = jddp.data.DataLoader(corpus["train"], global_batch_size=config.global_batch_size, seed=config.seed)
-    batches = [jax.block_until_ready(b) for b in itertools.islice(iter(loader), 8)]
-    return dp, state, batches
 
 
 def block_cost(on: list[float], off: list[float], result: dict, args) -> float:
@@ -253,9 +224,9 @@ def report(on_ms: list[float], off_ms: list[float]) -> None:
     and the ratio of the on blocks' total time to the off blocks' (what a run pays: its wall time), each with a 95%
     bootstrap interval over the pairs."""
     ratios = [a / b for a, b in zip(on_ms, off_ms, strict=True)]
-    low, high = bootstrap_median(ratios)
+    low, high = harness.bootstrap_median(ratios)
     total = sum(on_ms) / sum(off_ms)
-    t_low, t_high = bootstrap_total(on_ms, off_ms)
+    t_low, t_high = harness.bootstrap_total(on_ms, off_ms)
     print(
         f"over {len(ratios)} block pairs (load at the end {os.getloadavg()[0]:.2f}): on "
         f"{statistics.median(on_ms):.3f} ms/step, off {statistics.median(off_ms):.3f} ms/step (medians); on/off per "
@@ -304,7 +275,7 @@ def bench(args: argparse.Namespace) -> Any:
     rows: dict[tuple[str, str], list[dict]] = {}
     for i in range(args.repeats):
         for model in models:
-            for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            for mode in harness.ab_order(("off", "on"), i):
                 r = one_run(model, mode, args)
                 if r is not None:
                     rows.setdefault((model, mode), []).append(r)
@@ -317,7 +288,7 @@ def bench(args: argparse.Namespace) -> Any:
         m_off = statistics.median(r["step_ms"] for r in off)
         m_on = statistics.median(r["step_ms"] for r in on)
         ratios = [b["step_ms"] / a["step_ms"] for a, b in zip(off, on, strict=False)]
-        low, high = bootstrap_median(ratios)
+        low, high = harness.bootstrap_median(ratios)
         print(
             f"  {model}: off {m_off:.2f} ms/step, on {m_on:.2f} ms/step, on/off {m_on / m_off:.3f} (pairs: "
             + ", ".join(f"{x:.3f}" for x in ratios)
@@ -329,22 +300,6 @@ def bench(args: argparse.Namespace) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> Any:
     return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
-
-
-def bootstrap_total(on: list[float], off: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float]:
-    """The 2.5th and 97.5th percentiles of sum(on)/sum(off) over the pairs resampled with replacement."""
-    rng = np.random.default_rng(seed)
-    pick = rng.integers(0, len(on), size=(draws, len(on)))
-    totals = np.asarray(on)[pick].sum(axis=1) / np.asarray(off)[pick].sum(axis=1)
-    return float(np.percentile(totals, 2.5)), float(np.percentile(totals, 97.5))
-
-
-def bootstrap_median(values: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float]:
-    """The 2.5th and 97.5th percentiles of the median of ``values`` resampled with replacement (``draws`` times):
-    how well the runs pin the median down on a machine whose pairs of runs differ by more than the cost."""
-    rng = np.random.default_rng(seed)
-    medians = np.median(rng.choice(np.asarray(values), size=(draws, len(values))), axis=1)
-    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
 if __name__ == "__main__":

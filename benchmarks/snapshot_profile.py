@@ -1,21 +1,18 @@
 """Where does an in-memory snapshot's time go (``jddp.checkpoint.snapshot``), phase by phase, for the MLP and the LM?
 
-Where an in-memory snapshot's time goes (``jddp.checkpoint.snapshot``), phase by phase, for the MNIST-1D MLP and
-the LM example side by side.
-
     python -m benchmarks snapshot_profile [--models mlp,lm] [--snapshots 40] [--every 10]
 
-Each model trains under ``jddp launch -n 2`` (the MLP with batches staged on the devices, the LM example with 8 of
-its loader's batches staged; ``benchmarks/snapshot_cost.py``'s workers), one ``Checkpointer`` with a snapshot every
-``--every`` steps and no disk save. Process 0 (the one that keeps a replicated state's snapshots) times each phase of
-its snapshots (``Snapshots.phases``): in the main thread (``take``) the wait for the previous write, the state's
-signature and layout, the choice of the local shards, the copy program's dispatch and the header; in the writer
-thread (``_write``) the wait for the copy, the CRC-32, the header's JSON, the write and the renames. Prints per
-phase the median wall time and thread time (ms) of ``--snapshots`` snapshots taken in the training loop (steps in
-flight: the cores shared with the step and the other process), then of as many taken with the devices idle (the
-loop's last state, nothing in flight); per snapshot the main thread's phases summed (wall time) and the writer's
-(thread time); and the median and mean of each snapshot's own measure of its cost (the main thread's wall time,
-the wait for the previous write included, plus the writer's thread time: what sizes the snapshot interval; its
+Each model trains under ``jddp launch -n 2`` (the MLP with batches staged on the devices, the LM example with 8 of its
+loader's batches staged, ``benchmarks/lm.py``; as ``benchmarks/snapshot_cost.py``'s workers), one ``Checkpointer``
+with a snapshot every ``--every`` steps and no disk save. Process 0 (the one that keeps a replicated state's
+snapshots) times each phase of its snapshots (``Snapshots.phases``): in the main thread (``take``) the wait for the
+previous write, the state's signature and layout, the choice of the local shards, the copy program's dispatch and the
+header; in the writer thread (``_write``) the wait for the copy, the CRC-32, the header's JSON, the write and the
+renames. Prints per phase the median wall time and thread time (ms) of ``--snapshots`` snapshots taken in the training
+loop (steps in flight: the cores shared with the step and the other process), then of as many taken with the devices
+idle (the loop's last state, nothing in flight); per snapshot the main thread's phases summed (wall time) and the
+writer's (thread time); and the median and mean of each snapshot's own measure of its cost (the main thread's wall
+time, the wait for the previous write included, plus the writer's thread time: what sizes the snapshot interval; its
 mean shows the snapshots whose main thread lost its core), with the state's leaves and bytes, and the load average.
 """
 
@@ -43,14 +40,14 @@ def worker(args) -> None:
     import optax
 
     import jddp
-    from benchmarks.snapshot_cost import lm_worker_setup
+    from benchmarks import lm
     from jddp.benchmark import models
     from jddp.checkpoint.restore import as_dict
 
     jddp.initialize(verbose=False)
     mesh = jddp.data_mesh()
     if args.model == "lm":
-        dp, state, batches = lm_worker_setup(mesh)
+        dp, state, batches = lm.setup(mesh)
     else:  # as benchmarks/snapshot_cost.py's worker
 
         def loss_fn(params, model_state, batch, rng):

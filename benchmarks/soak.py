@@ -1,7 +1,5 @@
 """Does a long run that saves often keep every process's memory flat?
 
-Memory soak: does a long run that saves often keep every process's memory flat?
-
     python -m benchmarks soak [--steps 20000] [--save-every 10] [--interval 3] [--no-malloc-tuning]
 
 Runs the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``) under ``jddp launch -n 2``

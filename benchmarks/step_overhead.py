@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -173,14 +172,9 @@ def bench(args: argparse.Namespace) -> Any:
     for run in variants.values():  # compile and warm up
         run()
         run()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    names = list(variants)
-    for r in range(args.rounds):  # alternate the order so no variant always runs first
-        for name in names if r % 2 == 0 else names[::-1]:
-            run = variants[name]
-            t = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - t) / args.steps * 1e3)
+    # alternate the order so no variant always runs first
+    arms = {name: harness.timed(run, per=args.steps) for name, run in variants.items()}
+    times: dict[str, list[float]] = harness.interleave(arms, args.rounds, harness.abba)
 
     med = {k: float(np.median(v)) for k, v in times.items()}
     print(f"MNIST-1D MLP {sizes}, AdamW, global batch {args.global_batch_size}, {args.devices} simulated devices, "
