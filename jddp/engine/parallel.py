@@ -9,21 +9,19 @@ from typing import Any, Literal
 import jax
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from jddp import envvars, runtime
+from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, comm, fused, loss_scale, mpi, replicas, zero
+from jddp.engine import checks, comm, loss_scale, programs, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
+from jddp.engine import transport as transport_lib
 from jddp.runtime import dispatch, distributed, progress, standby, watchdog
 from jddp.runtime import mesh as mesh_lib
 from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
-ENV_TRANSPORT = "JDDP_TRANSPORT"  # the default of `transport` (`jddp launch --transport` sets it)
 
 
 class NonFiniteError(FloatingPointError):
@@ -36,6 +34,19 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, message: str, state: state_lib.TrainState):
         super().__init__(message)
         self.state = state
+
+
+def _check_functions(loss_fn: Any, optimizer: Any, eval_fn: Any) -> None:
+    """``TypeError`` unless ``loss_fn`` (and ``eval_fn``, when given) is callable and ``optimizer`` is optax's."""
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"`optimizer` must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
+    if eval_fn is not None and not callable(eval_fn):
+        raise TypeError(
+            f"`eval_fn` must be a function (params, model_state, batch) -> metrics, or None, got "
+            f"{type(eval_fn).__name__}."
+        )
 
 
 class DataParallel:
@@ -154,21 +165,9 @@ class DataParallel:
         compute_dtype: Any = None,
     ):
         distributed.check_joined()
-        if not callable(loss_fn):
-            raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"`optimizer` must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
-        if eval_fn is not None and not callable(eval_fn):
-            raise TypeError(
-                f"`eval_fn` must be a function (params, model_state, batch) -> metrics, or None, got "
-                f"{type(eval_fn).__name__}."
-            )
+        _check_functions(loss_fn, optimizer, eval_fn)
         mesh_lib.check_mesh("mesh", mesh)
-        if transport is not None and transport not in ("xla", "mpi"):
-            raise ValueError(
-                f"`transport` must be 'xla' (XLA's own collectives, gloo across processes on CPU) or 'mpi' "
-                f"(MPI_Allreduce through mpi4jax), or None (${ENV_TRANSPORT}, else 'xla'), got {transport!r}."
-            )
+        transport_lib.check_transport(transport)
         self.options = checks.Options(
             accumulate_steps, reduce_dtype, clip_grad_norm, nonfinite, donate, max_inflight, fuse_allreduce,
             shard_optimizer, rng, grad_hook, local_metrics, compute_dtype,
@@ -177,56 +176,23 @@ class DataParallel:
             optimizer = loss_scale.with_loss_scale(optimizer)
         self.loss_fn, self.optimizer, self.eval_fn, self.mesh = loss_fn, optimizer, eval_fn, mesh
         self.num_devices = mesh.shape[DATA]
-        psum = fused.fused_psum if fuse_allreduce else lax.psum
-        if fuse_allreduce is None:  # the same on every process: the mesh is global
-            devices = list(mesh.devices.flat)
-            fuse_allreduce = all(d.platform == "cpu" for d in devices)
-            several = len({d.process_index for d in devices}) > 1
-            # Within one process, packing is the faster unless a large leaf would share the all-reduce with the
-            # packed buffer (``jddp.engine.fused``): there every leaf goes alone.
-            psum = (fused.fused_psum if several else fused.fused_psum_unless_large) if fuse_allreduce else lax.psum
-        transport = transport or envvars.get(ENV_TRANSPORT)  # pyright: ignore[reportAssignmentType]
-        if transport not in ("xla", "mpi"):
-            raise ValueError(
-                f"`transport` must be 'xla' (XLA's own collectives, gloo across processes on CPU) or 'mpi' "
-                f"(MPI_Allreduce through mpi4jax), got {transport!r} (from the argument or ${ENV_TRANSPORT})."
-            )
-        if transport == "mpi":
-            if shard_optimizer:
-                raise ValueError(
-                    "transport='mpi' sums whole gradients (MPI_Allreduce); shard_optimizer=True needs a "
-                    "reduce-scatter, which only transport='xla' has. Drop one of the two."
-                )
-            mpi.check(self.num_devices)
-            psum = mpi.mpi_psum
-        self.transport = transport
+        psum, fuse_allreduce, self.transport = transport_lib.psum_of(
+            mesh,
+            fuse_allreduce=fuse_allreduce,
+            transport=transport,
+            shard_optimizer=shard_optimizer,
+            num_devices=self.num_devices,
+        )
         self._rep = runtime.replicated(mesh)
         self._batch = runtime.batch_sharding(mesh)
         self._checked: tuple | None = None
         self._device = step_lib.DeviceStep(
             loss_fn, optimizer, eval_fn, self.options, self.num_devices, psum, fuse=fuse_allreduce
         )
-        self._step = self._compile(self._device.local_step, donate=donate)
-        self._eval = self._compile(self._device.local_eval, donate=False, out_state=False)
-        # ZeRO-1: the step program of each optimizer-state layout seen (one, unless states of several models
-        # meet this object), and the last one, found by identity: states from `step` carry the same tuple.
-        self._sharded: dict[tuple, Any] = {}
-        self._last: tuple[Any, Any] = (object(), None) if shard_optimizer else (None, self._step)
-
-    def _compile(self, fn, *, donate: bool, out_state: bool = True):
-        # Programs take (step, params, opt_state, model_state), the rng key data
-        # and the batch; the key is not donated nor returned (it never changes),
-        # and the metrics come back packed in one vector: fewer buffers per call.
-        out_specs = (P(), P()) if out_state else P()
-        # check_vma=False: the user's code runs with pmap's semantics, as under plain jit (``jddp.engine.varying``).
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(), P(DATA)), out_specs=out_specs, check_vma=False)
-        out_shardings = (self._rep, self._rep) if out_state else self._rep
-        return jax.jit(
-            mapped,
-            in_shardings=(self._rep, self._rep, self._batch),
-            out_shardings=out_shardings,
-            donate_argnums=(0,) if donate else (),
+        self._programs = programs.Programs(
+            self._device, mesh, optimizer, self.options, rep=self._rep, batch=self._batch
         )
+        self._step = self._programs.step  # the replicated step program
 
     def _args(self, state: state_lib.TrainState, batch):
         return (state.step, state.params, state.opt_state, state.model_state), state.rng, batch
@@ -236,48 +202,7 @@ class DataParallel:
 
     def _program(self, state: state_lib.TrainState):
         """The step program for ``state``'s optimizer layout, checked against this engine's the first time."""
-        layout = state.opt_layout
-        if layout is self._last[0]:
-            return self._last[1]
-        if not self.options.shard_optimizer:
-            if layout is not None:
-                raise ValueError(
-                    "`state` holds sharded optimizer state (from a DataParallel with shard_optimizer=True), but this "
-                    "DataParallel keeps it replicated. Use the same engine, or save the state with a "
-                    "jddp.Checkpointer and restore it into this engine's `init` state: checkpoints move between them."
-                )
-            program = self._step
-        else:
-            program = self._sharded.get(layout)  # pyright: ignore[reportArgumentType]
-            if program is None:
-                expected = zero.opt_layouts(self.optimizer, state.params, self.num_devices)
-                if layout != expected:
-                    raise ValueError(self._layout_error(layout, expected, state))
-                treedef = jax.tree.structure(state.opt_state)
-                program = zero.step_program(self._device, self.mesh, expected, treedef, donate=self.options.donate)
-                self._sharded[expected] = program
-        self._last = (layout, program)
-        return program
-
-    def _layout_error(self, layout, expected, state) -> str:
-        if layout is None and any(not x.is_fully_replicated for x in jax.tree.leaves(state.opt_state)):
-            return (
-                "`state.opt_state` is split over the devices, but `state.opt_layout` is None: a TrainState built "
-                "field by field drops it. Make new states with `state.replace(params=...)`, which keeps it."
-            )
-        if layout is None:
-            return (
-                "`state` holds replicated optimizer state (from a DataParallel with shard_optimizer=False), but this "
-                "DataParallel shards it (shard_optimizer=True). Use the same engine, or save the state with a "
-                "jddp.Checkpointer and restore it into this engine's `init` state: checkpoints move between them."
-            )
-        differ = next((i for i, (a, b) in enumerate(zip(layout, expected, strict=False)) if a != b), None)
-        where = "" if differ is None else f" (leaf {differ}: {layout[differ]} here, {expected[differ]} expected)"
-        return (
-            f"`state.opt_state` is laid out for another model or device count{where}; this DataParallel splits it "
-            f"over {self.num_devices} devices. Build the state with this object's `init`, or restore a checkpoint "
-            "into it: a jddp.Checkpointer restores sharded state onto any device count."
-        )
+        return self._programs.for_state(state)
 
     # ----------------------------------------------------------------- init
 
@@ -426,14 +351,14 @@ class DataParallel:
             names = self._device.names.get("eval", ("loss", "examples"))
             packed = jax.device_put(np.zeros(2 * len(names) - 1, np.float32), self._rep)
             return metrics_lib.Metrics(names, packed)
-        dispatch.DISPATCHER.before(self._eval, self.options.max_inflight)
+        dispatch.DISPATCHER.before(self._programs.eval, self.options.max_inflight)
         fn = self.eval_fn or self.loss_fn
         with (
-            progress.phase("compile" if dispatch.DISPATCHER.first_call(self._eval) else "eval"),
+            progress.phase("compile" if dispatch.DISPATCHER.first_call(self._programs.eval) else "eval"),
             watchdog.waiting(),
             checks.user_code(fn, "DataParallel.eval_step", batch, state.params, self.num_devices),
         ):
-            packed = self._eval(*self._eval_args(state, batch))
+            packed = self._programs.eval(*self._eval_args(state, batch))
         dispatch.DISPATCHER.after(packed, "eval step")
         progress.heartbeat()
         return metrics_lib.Metrics(self._device.names["eval"], packed)
