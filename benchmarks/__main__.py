@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"harness", "__main__", "__init__"}
+NOT_BENCHMARKS = {"__main__", "__init__"}
 
 # Every run BENCHMARKS.md quotes: (label, benchmark, its arguments as quoted, the extra it needs). ``jddp`` is the
 # CLI's own ``jddp bench``. With ``--quick`` the arguments are dropped for the benchmark's ``--quick`` size.

@@ -1,7 +1,7 @@
 """What every benchmark shares: the machine record, load sampling, interleaved pairing and the one JSON schema.
 
 A benchmark module states its question in its docstring's first line, builds its own ``argparse`` parser and
-measures in a function ``measure(args) -> dict``; its ``main(argv)`` is one call to ``main`` here, which adds the
+measures in a function ``measure(args) -> dict``; its ``main(argv)`` is one call to ``run`` here, which adds the
 shared flags (``--json FILE``, ``--quick``, ``--require-quiet``), records the machine and samples the load average
 while ``measure`` runs, and writes one record, the same keys for every benchmark::
 
@@ -78,7 +78,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "cpu": cpu_model(),
         "memory_gib": round(memory / 2**30, 1),
-        "platform": platform.platform(),
+        "platform": " ".join(os.uname()[i] for i in (0, 2, 4)),  # system, release, machine (no subprocess)
         "versions": versions(),
     }
 
@@ -288,7 +288,7 @@ def refuse_if_busy(args: argparse.Namespace, when: str, load: float) -> None:
         raise SystemExit(NOT_QUIET_EXIT)
 
 
-def main(
+def run(
     module: str,
     doc: str | None,
     parser: argparse.ArgumentParser,

@@ -198,7 +198,7 @@ def bench(args: argparse.Namespace) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
-    return harness.main(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
+    return harness.run(__name__, __doc__, get_args_parser(), bench, argv, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -369,7 +369,7 @@ def test_the_engine_guides_optimizer_memory_of_the_small_transformer_holds():
 
 
 def test_the_readmes_timing_of_its_command_is_the_benchmarks_file():
-    """README.md quotes benchmarks/results/readme_command.json (written by ``python -m benchmarks.readme_command``)
+    """README.md quotes benchmarks/results/readme_command.json (written by ``python -m benchmarks readme_command``)
     as written there: the wall time, steps, test accuracy, date and load average."""
     import json
 
