@@ -159,6 +159,7 @@ def test_yaml_round_trip_and_atomic_save(tmp_path):
         config.to_yaml(3)
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_a_config_error_happens_before_any_jax_import(tmp_path):
     """A training script's first line parses its config: a bad one fails without importing JAX."""
     bad = write(tmp_path, "epochs: many\n")

@@ -30,6 +30,7 @@ BOTTOM = (
     "jddp.lines",
     "jddp.envvars",
     "jddp.handoff",
+    "jddp.placement",  # the host's inventory and the processes' devices: the launcher's and the runtime's, no JAX
 )
 LAYERS = {
     **{name: "bottom" for name in BOTTOM},
@@ -41,6 +42,11 @@ LAYERS = {
     "jddp.logs": "fit",
     "jddp.goodput": "fit",  # the ledger fit keeps; `jddp goodput` and the launcher read and mark it (no JAX)
     "jddp.loop": "fit",
+    "jddp.run_ids": "fit",
+    "jddp.goodput_ledger": "fit",
+    "jddp.goodput_accounts": "fit",
+    "jddp.fit_loop": "fit",
+    "jddp.fit_outputs": "fit",
     "jddp.benchmark": "cli",  # the models and worker of `jddp bench`
     "jddp.cli": "cli",
     "jddp.launch": "cli",
@@ -102,6 +108,70 @@ def test_every_module_imports_only_its_layer_and_those_below():
     assert not wrong, "arrows that break the layers:\n" + "\n".join(wrong)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Each jddp module and the jddp modules it imports (lazy and ``TYPE_CHECKING`` imports included)."""
+    graph = {module_name(path): jddp_imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
+    return {module: {m for m in imported if m in graph and m != module} for module, imported in graph.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    """No two jddp modules need each other, also through others, also lazily: a circle means a piece both need
+    belongs a floor lower, or the lower one should take an interface (CONTRIBUTING.md, "Where things live")."""
+    found = circles(import_graph())
+    assert not found, "import circles (move the shared piece down, or invert the arrow):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_circle_check_sees_a_circle():
+    """The check itself: two probe modules that import each other (one lazily) are found, and so is a circle of
+    three; a chain is not a circle."""
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    one, two = PACKAGE / "runtime" / "_circle_probe_1.py", PACKAGE / "runtime" / "_circle_probe_2.py"
+    one.write_text("from jddp.runtime import _circle_probe_2\n")
+    two.write_text("def f():\n    from jddp.runtime import _circle_probe_1\n")
+    try:
+        with pytest.raises(AssertionError, match=r"jddp.runtime._circle_probe_1 <-> jddp.runtime._circle_probe_2"):
+            test_no_import_circles()
+    finally:
+        one.unlink()
+        two.unlink()
+
+
 def test_the_layer_check_sees_a_wrong_arrow(tmp_path):
     """The check itself: an engine module that imports the checkpoint layer is found."""
     bad = PACKAGE / "engine" / "_layer_probe.py"
@@ -113,9 +183,19 @@ def test_the_layer_check_sees_a_wrong_arrow(tmp_path):
         bad.unlink()
 
 
+@pytest.mark.multiprocess  # a fresh interpreter each
 @pytest.mark.parametrize(
     "module",
-    ["jddp", "jddp.launch", "jddp.cli.main", "jddp.data", "jddp.data.sampler", "jddp.config", "jddp.net"],
+    [
+        "jddp",
+        "jddp.launch",
+        "jddp.cli.main",
+        "jddp.data",
+        "jddp.data.sampler",
+        "jddp.config",
+        "jddp.net",
+        "jddp.placement",
+    ],
 )
 def test_launcher_sampler_and_config_import_no_jax(module):
     code = f"import sys, {module}; print(sorted(m for m in ('jax', 'jaxlib', 'flax', 'orbax') if m in sys.modules))"

@@ -20,7 +20,6 @@ changes nothing another process sees, so it needs no agreement.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import time
 from collections.abc import Callable
 
@@ -28,9 +27,11 @@ TRIM_EVERY_S = 60.0
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none."""
+    """glibc's ``malloc_trim``, or None where the C library has none. Looked up among the symbols the interpreter
+    already has loaded (``CDLL(None)``: libc's among them), not through ``ctypes.util.find_library``, which runs
+    ``ldconfig`` or a compiler in a child process."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     trim = getattr(libc, "malloc_trim", None)
