@@ -464,7 +464,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "save writes the state but not the loader's position: a resume re-reads the epoch from its start",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer.save",
+                "jddp.checkpoint.orbax_io:step_items",
                 ("items[LOADER] = ocp.args.JsonSave(loader.get_state())", "pass"),
             ),
         ),
@@ -504,7 +504,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "Orbax's clean-up of unfinished <step>.orbax-checkpoint-tmp-* directories turned off",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer._start",
+                "jddp.checkpoint.orbax_io:manager_options",
                 ("cleanup_tmp_directories=not read_only", "cleanup_tmp_directories=False"),
             ),
         ),
@@ -539,7 +539,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a read-only Checkpointer renames a damaged step like a writer (under the trainer's feet)",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer.restore_or_init",
+                "jddp.checkpoint.checkpointer:Checkpointer._restore_from_disk",
                 ("if not self.read_only:\n            restore.set_aside", "if True:\n            restore.set_aside"),
             ),
         ),

@@ -12,7 +12,7 @@
 #   jddp/data/loader.py                            order and seeds: _ReadBatch, _FirstPosition, read,
 #                                                  DataLoader.__iter__, _next_local, local_batches,
 #                                                  set_epoch, set_state
-#   jddp/checkpoint/digest.py, jddp/runtime/checksum.py, jddp/config.py   every function
+#   jddp/checkpoint/digest.py, jddp/runtime/checksum.py, jddp/config/   every function
 #   jddp/cli/reports.py                            every function (the launchers' reports)
 # Only with +step: jddp/engine/step.py, varying.split_varying and DataParallel.step (about 400
 # mutants whose every survivor runs about 90 s of engine tests: an hour more). Only with +restore:

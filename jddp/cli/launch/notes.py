@@ -12,7 +12,7 @@ import shutil
 import struct
 import tempfile
 
-NOTE_GLOB = re.compile(r"note-(\d+)\.json")  # jddp.runtime.watchdog.NOTE_FILE: what a process tells its launcher
+NOTE_GLOB = re.compile(r"note-(\d+)\.json")  # jddp.runtime.group_link.NOTE_FILE: what a process tells its launcher
 
 
 class NoteDir:
@@ -23,7 +23,7 @@ class NoteDir:
         self.ledger = os.path.join(self.path, "ledger")  # the note naming the ledger (JDDP_LEDGER_NOTE)
 
     def read(self) -> dict[int, dict]:
-        """What the processes told this launcher (``jddp.runtime.watchdog.Watchdog.note``), by process index: the
+        """What the processes told this launcher (``jddp.runtime.group_link.GroupLink.note``), by process index: the
         peers a process found silent, the cause it found (a collective made by a subset of the processes), an early
         end. Notes of an earlier attempt are removed when the next starts."""
         found: dict[int, dict] = {}
