@@ -42,7 +42,8 @@ class Variable:
     """One ``JDDP_*`` variable. ``kind``: ``bool``; ``int`` (at least ``minimum``); ``float`` (finite, above 0;
     ``unit`` says of what); ``path`` (a file or directory; a boolean spelling is refused, it would name a directory
     ``0`` or ``false``); ``cache`` (a directory, or a boolean: on is the default directory, off turns it off);
-    ``address`` (``host:port``); ``choice`` (one of ``choices``, any case)."""
+    ``address`` (``host:port``); ``choice`` (one of ``choices``, any case); ``ids`` (comma-separated device ids,
+    indices or UUIDs: a tuple of str)."""
 
     name: str
     kind: str
@@ -67,6 +68,8 @@ class Variable:
             return self.choices[0]
         if self.kind == "json":
             return '{"round": 0}'
+        if self.kind == "ids":
+            return "0,1"
         return "/tmp/jddp"
 
 
@@ -123,6 +126,15 @@ VARIABLES: dict[str, Variable] = _declare(
     ),
     # set by jddp launch for each process: for the script to read
     Variable("JDDP_LOCAL_RANK", "int", None, "this process's index on its node (jddp launch)", internal=True),
+    Variable(
+        "JDDP_PLATFORM",
+        "choice",
+        None,
+        "the platform jddp launch found on the host (jddp.placement)",
+        choices=("cpu", "cuda", "rocm", "tpu"),
+        internal=True,
+    ),
+    Variable("JDDP_DEVICES", "ids", None, "the devices jddp launch gave this process (jddp.placement)", internal=True),
     Variable("JDDP_RESTART_COUNT", "int", 0, "the attempt: 0 first, then 1 per restart (jddp launch)", internal=True),
     Variable("JDDP_MAX_RESTARTS", "int", 0, "jddp launch's --max-restarts", internal=True),
     # handshakes between jddp launch and jddp in its processes
@@ -221,6 +233,11 @@ def _convert(variable: Variable, text: str) -> Any:
         except ValueError:
             raise _Refused("'host:port' with a port from 1 to 65535") from None
         return word
+    if kind == "ids":
+        ids = tuple(part.strip() for part in word.split(","))
+        if not all(part and part.replace("-", "").replace("_", "").isalnum() for part in ids):
+            raise _Refused("comma-separated device ids such as 0,1 (indices or UUIDs)")
+        return ids
     if kind == "json":  # an object
         import json
 
@@ -304,6 +321,26 @@ def seconds(unit: str = "number of seconds") -> Callable[[str], float]:
 
     convert.__name__ = "positive number"
     convert.kind, convert.minimum = "float", 0  # type: ignore[attr-defined]  # read by tests/test_env_boundary
+    return convert
+
+
+def process_count() -> Callable[[str], int | str]:
+    """An argparse ``type=`` for ``jddp launch -n``: a count of at least 1, or a placement mode (``auto``,
+    ``device``, ``host``: ``jddp.placement``)."""
+
+    def convert(text: str) -> int | str:
+        word = text.strip().lower()
+        if word in ("auto", "device", "host"):
+            return word
+        try:
+            return to_int(text, 1)
+        except _Refused:
+            raise argparse.ArgumentTypeError(
+                f"must be auto, device, host or an integer of at least 1, got {text!r}"
+            ) from None
+
+    convert.__name__ = "auto, device, host or integer >= 1"
+    convert.kind, convert.minimum = "nprocs", 1  # type: ignore[attr-defined]  # read by tests/test_env_boundary
     return convert
 
 

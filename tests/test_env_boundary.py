@@ -153,6 +153,8 @@ def documented(variable: envvars.Variable, text: str, value) -> None:
         assert value == word and lowered not in envvars.TRUE + envvars.FALSE, (text, value)
     elif variable.kind == "json":
         assert isinstance(value, dict) and value == json.loads(word), (text, value)
+    elif variable.kind == "ids":
+        assert value == tuple(part.strip() for part in word.split(",")) and all(value), (text, value)
     else:
         raise AssertionError(f"{variable.name}: a kind {variable.kind!r} this test does not know; describe it here")
 
@@ -345,6 +347,8 @@ def check_option(parser: argparse.ArgumentParser, action: argparse.Action, text:
         assert type(value) is int and value >= minimum and value == int(text.strip()), shown
     elif kind == "ints":
         assert all(type(v) is int and v >= minimum for v in value), shown
+    elif kind == "nprocs":  # jddp launch -n: a count or a placement mode
+        assert value in ("auto", "device", "host") or (type(value) is int and value >= minimum), shown
     elif kind == "range":  # N or MIN:MAX nodes
         low, high = value
         assert type(low) is type(high) is int and minimum <= low <= high, shown
@@ -377,7 +381,7 @@ def test_each_numeric_boolean_or_choice_option_refuses_wrong_values_naming_itsel
     parser, action = case
     for text in WRONG:
         check_option(parser, action, text)
-    if kind_of(action) in ("int", "ints", "float", "range"):  # never taken: nan, inf and the like
+    if kind_of(action) in ("int", "ints", "float", "range", "nprocs"):  # never taken: nan, inf and the like
         for text in ("nan", "inf", "1e400", "-1", "abc", "False"):
             assert feed(parser, action, text)[:2] == ("exit", 2), (option_id(case), text)
 

@@ -3,6 +3,7 @@ it, for every platform and mode (8 GPUs, a TPU host, a ROCm host, a CPU host), c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,89 @@ def test_placements_that_cannot_be_made_are_refused_by_name(inv, nprocs, kwargs,
 def test_an_inventory_that_cannot_be_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Inventory(**kwargs)
+
+
+# ------------------------------------------------------------------ what jddp launch gives each process
+
+
+def launch_environments(argv: list[str], inv: Inventory) -> tuple[object, list[dict[str, str]]]:
+    """``jddp launch argv -m train`` on a host of inventory ``inv``: its config and every local process's
+    environment, as the launcher builds them (nothing started)."""
+    from jddp.cli.launch import config as config_lib
+    from jddp.cli.launch import environment
+
+    config = config_lib.config_from_args(config_lib.get_args_parser().parse_args([*argv, "-m", "train"]), inv)
+    coordinator = config.coordinator or "127.0.0.1:29500"
+    return config, [environment.environment(config, r, coordinator, 0) for r in range(config.nprocs)]
+
+
+GPUS8 = Inventory("cuda", tuple(map(str, range(8))), "/proc/driver/nvidia/gpus")
+
+
+def test_jddp_launch_on_an_8_gpu_host_gives_each_process_its_own_gpu(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    config, envs = launch_environments(["--max-restarts", "1"], GPUS8)
+    assert config.nprocs == 8 and config.platform == "cuda"
+    assert not config.standby and config.spares  # standby would initialise a GPU the live process holds
+    for rank, env in enumerate(envs):
+        assert env["CUDA_VISIBLE_DEVICES"] == str(rank) and env["JDDP_DEVICES"] == str(rank)
+        assert (env["JDDP_PROCESS_ID"], env["JDDP_LOCAL_RANK"], env["JDDP_NUM_PROCESSES"]) == (
+            str(rank),
+            str(rank),
+            "8",
+        )
+        assert "GLIBC_TUNABLES" not in env  # the CPU all-reduce's allocator setting: CPU hosts only
+        assert "JDDP_LOCAL_DEVICES" not in env
+
+
+def test_two_hosts_of_4_gpus_number_the_processes_across_hosts():
+    inv = Inventory("cuda", ("0", "1", "2", "3"))
+    seen = {}
+    for node in (0, 1):
+        argv = ["--nnodes", "2", "--node-rank", str(node), "--coordinator", "10.0.0.1:29500"]
+        _, envs = launch_environments(argv, inv)
+        for rank, env in enumerate(envs):
+            assert env["CUDA_VISIBLE_DEVICES"] == str(rank) and env["JDDP_NUM_PROCESSES"] == "8"
+            assert env["JDDP_COORDINATOR"] == "10.0.0.1:29500"
+            seen[int(env["JDDP_PROCESS_ID"])] = (node, env["CUDA_VISIBLE_DEVICES"])
+    assert seen == {4 * node + gpu: (node, str(gpu)) for node in (0, 1) for gpu in range(4)}
+
+
+def test_a_tpu_host_runs_one_process_that_owns_every_chip():
+    config, envs = launch_environments([], Inventory("tpu", ("0", "1", "2", "3"), "/dev/accelN"))
+    assert config.nprocs == 1 and not config.standby
+    assert envs[0]["JDDP_DEVICES"] == "0,1,2,3" and envs[0]["JDDP_PLATFORM"] == "tpu"
+    assert not set(envs[0]) & {"TPU_VISIBLE_CHIPS", "CUDA_VISIBLE_DEVICES"} - set(os.environ)
+
+
+def test_a_cpu_host_keeps_the_cpu_defaults(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    config, envs = launch_environments(
+        ["-n", "2", "--devices-per-process", "4", "--max-restarts", "1"], Inventory("cpu")
+    )
+    assert config.nprocs == 2 and config.standby and config.platform == "cpu"
+    for env in envs:
+        assert env["JDDP_LOCAL_DEVICES"] == "4" and env["JDDP_PLATFORM"] == "cpu"
+        assert env["GLIBC_TUNABLES"].startswith("glibc.malloc.mmap_max=0")
+        assert "CUDA_VISIBLE_DEVICES" not in env or env["CUDA_VISIBLE_DEVICES"] == os.environ.get(
+            "CUDA_VISIBLE_DEVICES"
+        )
+    config, _ = launch_environments([], Inventory("cpu"))
+    assert config.nprocs == 1  # -n auto on a CPU host: one process (several devices in it beat several processes)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--cpu-share"], r"--cpu-share pins XLA:CPU's compute threads .* on this cuda host"),
+        (["-n", "3"], r"-n 3 does not divide this host's 8 cuda devices"),
+        (
+            ["--devices-per-process", "2"],
+            r"--devices-per-process=2 simulates CPU devices, but this host's platform is cuda",
+        ),
+    ],
+    ids=["cpu-share", "count", "simulated"],
+)
+def test_jddp_launch_refuses_what_an_accelerator_host_cannot_do(argv, match):
+    with pytest.raises(ValueError, match=match):
+        launch_environments(argv, GPUS8)

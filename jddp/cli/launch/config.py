@@ -9,7 +9,7 @@ import math
 import os
 import sys
 
-from jddp import envvars, net
+from jddp import envvars, net, placement
 from jddp.cli import reports
 
 DEFAULT_PEER_TIMEOUT_S: float = envvars.VARIABLES["JDDP_PEER_TIMEOUT"].default  # distributed's (no JAX here)
@@ -23,14 +23,23 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         epilog="The manual is the docstring of jddp/cli/launch/__init__.py "
         "(python -c 'import jddp.cli.launch; help(jddp.cli.launch)').",
     )
-    parser.add_argument("-n", "--nprocs", type=envvars.count(1), default=1, help="processes on this node (default 1)")
+    parser.add_argument(
+        "-n",
+        "--nprocs",
+        "--nproc-per-node",
+        type=envvars.process_count(),
+        default="auto",
+        metavar="N|auto|device|host",
+        help="processes on this node: N, one per accelerator (device), one owning all devices (host), or auto: "
+        "device on GPUs, host on TPUs and CPUs (default auto; see jddp.placement)",
+    )
     parser.add_argument(
         "--devices-per-process",
         type=envvars.count(1),
         default=None,
         metavar="D",
-        help="simulated CPU devices in each process (default: none simulated; $JDDP_LOCAL_DEVICES if set, else "
-        "the devices JAX finds)",
+        help="simulated CPU devices in each process, CPU only (default: none simulated; $JDDP_LOCAL_DEVICES if set, "
+        "else the devices JAX finds)",
     )
     parser.add_argument(
         "--coordinator",
@@ -176,6 +185,10 @@ class LaunchConfig:
     join_wait: float = 10.0  # elastic: seconds the first round waits for up to MAX nodes once MIN joined
     process_offset: int | None = None  # elastic: this round's first process id here (None: node_rank * nprocs)
     world: int | None = None  # elastic: this round's processes over all nodes (None: nnodes * nprocs)
+    # This host's platform and each local process's devices (jddp.placement); CPU and no placements when built
+    # directly (`config_from_args` reads the host).
+    platform: str = "cpu"
+    placements: tuple[placement.Placement, ...] = ()
 
     @property
     def elastic(self) -> bool:
@@ -230,6 +243,13 @@ class LaunchConfig:
                 raise ValueError(f"--{flag} must be a positive, finite number of seconds, got {value}.")
         if self.transport not in ("xla", "mpi"):
             raise ValueError(f"--transport must be xla or mpi, got {self.transport!r}.")
+        if self.placements and len(self.placements) != self.nprocs:
+            raise ValueError(f"{len(self.placements)} placements for -n {self.nprocs} processes.")
+        if self.platform != "cpu" and self.cpu_share:
+            raise ValueError(
+                f"--cpu-share pins XLA:CPU's compute threads to each process's cores; on this {self.platform} host the "
+                "devices compute and the host threads only feed them. Drop --cpu-share."
+            )
         if self.transport == "mpi" and (self.nnodes > 1 or (self.devices_per_process or 1) > 1 or self.cpu_share):
             raise ValueError(
                 "--transport mpi runs one device per process on this node under MPI's own launcher: drop --nnodes, "
@@ -240,11 +260,18 @@ class LaunchConfig:
             raise ValueError(f"script {self.target!r} does not exist (use -m to run a module).")
 
 
-def config_from_args(args: argparse.Namespace) -> LaunchConfig:
-    """The ``LaunchConfig`` of parsed flags.
+def config_from_args(args: argparse.Namespace, inventory: placement.Inventory | None = None) -> LaunchConfig:
+    """The ``LaunchConfig`` of parsed flags, its processes placed on ``inventory`` (default: this host's,
+    ``jddp.placement.inventory()``).
+
+    On an accelerator the standby processes are off (``standby=False``): a standby process initialises the backend
+    and compiles on the device of the process it stands behind, which that live process holds (XLA preallocates
+    75% of it), so it would fail or take the live process's memory. Spares stay: they import JAX and the libraries,
+    which initialises no backend and takes no device memory.
 
     Raises:
-      ValueError: as ``LaunchConfig`` does, when a flag's value is out of range.
+      ValueError: as ``LaunchConfig`` does, when a flag's value is out of range, or as ``jddp.placement.place``
+        does, when the processes cannot be placed on this host's devices.
 
     Example:
       >>> config = config_from_args(get_args_parser().parse_args(["-n", "2", "-m", "train", "steps=10"]))
@@ -263,12 +290,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             )
         options.update(min_nodes=low, max_nodes=high)
     options["node_rank"] = options["node_rank"] or 0
+    inventory = placement.inventory() if inventory is None else inventory
+    placed = placement.place(options["nprocs"], inventory, devices_per_process=options["devices_per_process"])
+    options["nprocs"] = len(placed)
     return LaunchConfig(
         target_args=tuple(target_args),
         malloc_tuning=not no_malloc_tuning,
         spares=not no_spares,
-        standby=not no_standby,
+        standby=not no_standby and inventory.platform == "cpu",
         nnodes=low if low == high else high,
+        platform=inventory.platform,
+        placements=placed,
         **options,
     )
 
