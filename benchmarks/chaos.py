@@ -161,6 +161,7 @@ def bench(args: argparse.Namespace) -> Any:
                 f"{max(t['recomputed'])}; restores from: {counts}; {t['woken']} restart(s) woken from standby; "
                 f"bitwise equal to the uninterrupted run in {t['bitwise']} of {t['runs']} runs"
             )
+    return totals
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -60,6 +60,7 @@ def bench(args: argparse.Namespace) -> Any:
     print(f"jax {jax.__version__}, {jax.device_count()} devices, writing under {root}")
     print(f"{'state MB':>8} {'async blocked ms':>17} {'sync save ms':>13} {'blocked/sync':>13} {'restore ms':>11}")
     batch = {"x": np.ones((8 * args.devices, 2), np.float32)}
+    results = {}
     for size_mb in (int(s) for s in args.sizes_mb.split(",")):
         n = size_mb * 2**20 // 4 // 4  # four leaves
         params = {f"w{i}": np.random.default_rng(i).normal(size=(n,)).astype(np.float32) for i in range(4)}
@@ -79,7 +80,7 @@ def bench(args: argparse.Namespace) -> Any:
                 ckpts[mode].wait()
                 if round_:
                     times[mode].append(elapsed)
-            with jddp.Checkpointer(f"{root}/{size_mb}-sync") as reader:
+            with jddp.Checkpointer(f"{root}/{size_mb}-sync", read_only=True) as reader:  # the writer is open
                 fresh = dp.init(jax.tree.map(np.zeros_like, params))
                 start = time.perf_counter()
                 back = reader.restore_or_init(fresh)
@@ -93,8 +94,10 @@ def bench(args: argparse.Namespace) -> Any:
         shutil.rmtree(f"{root}/{size_mb}-async"), shutil.rmtree(f"{root}/{size_mb}-sync")
         b, s, r = (statistics.median(times[k]) * 1e3 for k in ("async", "sync", "restore"))
         print(f"{size_mb:>8} {b:>17.1f} {s:>13.1f} {b / s:>13.3f} {r:>11.1f}", flush=True)
+        results[size_mb] = {"async_ms": b, "sync_ms": s, "restore_ms": r}
     if not args.directory:
         shutil.rmtree(root, ignore_errors=True)
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

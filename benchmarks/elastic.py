@@ -413,6 +413,7 @@ def bench(args: argparse.Namespace) -> Any:
     print(f"wrote {args.out}")
     if failed:
         sys.exit(f"{failed} run(s) failed a check (named above)")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -49,7 +49,7 @@ def run_once(how: str, peer_timeout: float) -> tuple[int, float] | None:
     return done.returncode, ended - float(found.group(1))
 
 
-def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> None:
+def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> dict:
     results = []
     with procs.busy_processes(hogs):
         for _ in range(repeats):
@@ -57,7 +57,7 @@ def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> None:
             if result is not None:
                 results.append(result)
     if not results:
-        return
+        return {"how": how, "peer_timeout": peer_timeout, "hogs": hogs, "runs": []}
     codes = sorted({code for code, _ in results})
     times = [t for _, t in results]
     print(
@@ -66,6 +66,7 @@ def row(how: str, peer_timeout: float, hogs: int, repeats: int) -> None:
         f" / T + {max(times) - peer_timeout:.1f}; bound T + 10) over {len(times)} runs; load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
+    return {"how": how, "peer_timeout": peer_timeout, "hogs": hogs, "exit_codes": codes, "seconds": times}
 
 
 QUICK: dict[str, Any] = {"repeats": 1, "peer_timeouts": "10", "hogs": "0", "kinds": "sigkill"}  # --quick: a tiny size
@@ -81,11 +82,13 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def bench(args: argparse.Namespace) -> Any:
-    print(f"failure bound at jddp launch's exit, 2 processes; load average at the start {os.getloadavg()[0]:.2f}")
+    print("failure bound at jddp launch's exit, 2 processes")
+    rows = []
     for timeout in (float(t) for t in args.peer_timeouts.split(",")):
         for hogs in (int(h) for h in args.hogs.split(",")):
             for how in args.kinds.split(","):
-                row(how, timeout, hogs, args.repeats)
+                rows.append(row(how, timeout, hogs, args.repeats))
+    return {"rows": rows}
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -70,13 +70,14 @@ def bench(args: argparse.Namespace) -> Any:
         "LM": ("lm", ["config=configs/lm.yaml", f"steps={args.lm_steps}"], "test_loss", ["float32", "bfloat16"]),
     }
     print(f"mixed precision: {args.devices} simulated devices, {args.repeats} interleaved runs per dtype")
-    print(f"  load average at the start: {os.getloadavg()[0]:.2f}")
+    results = {}
     for name, (example, overrides, quality, dtypes) in cases.items():
         seen: dict[str, list[dict[str, float]]] = {d: [] for d in dtypes}
         for _ in range(args.repeats):
             for dtype in dtypes:
                 seen[dtype].append(run(example, [*overrides, f"devices={args.devices}", f"compute_dtype={dtype}"]))
         step_ms = {d: statistics.median(1000 * r["step_s"] / r["steps"] for r in seen[d]) for d in dtypes}
+        results[name] = {"step_ms": step_ms, "runs": seen}
         for dtype in dtypes:
             value = statistics.median(r[quality] for r in seen[dtype])
             ratio = step_ms[dtype] / step_ms["float32"]
@@ -85,7 +86,7 @@ def bench(args: argparse.Namespace) -> Any:
                 f"  {name:<13} {dtype:<9} step {step_ms[dtype]:7.2f} ms median ({ratio:.2f}x float32's), "
                 f"{quality} {value:.4f} (median; runs: {runs})"
             )
-    print(f"  load average at the end: {os.getloadavg()[0]:.2f}")
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

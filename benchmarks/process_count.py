@@ -167,6 +167,7 @@ def bench(args: argparse.Namespace) -> Any:
         slopes = {k: math.log(rows[hi][k] / rows[lo][k]) / math.log(hi / lo) for k in KEYS if rows[lo][k] > 0}
         shown = ", ".join(f"{k} {v:.2f}" for k, v in slopes.items())
         print(f"slope of log(cost) over log(N), N={lo} to {hi}: {shown}")
+    return {"rows": rows}
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -85,7 +85,7 @@ def bench(args: argparse.Namespace) -> Any:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures, indent=1))
-    return 0
+    return figures
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -198,6 +198,7 @@ def bench(args: argparse.Namespace) -> Any:
                 f"  fresh start to the first step, {mode} cache: median {statistics.median(times):.2f} s "
                 f"(min {min(times):.2f}, max {max(times):.2f}) over {len(times)} runs"
             )
+    return {"kills": results, "fresh_first_step_s": first_steps}
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -193,6 +193,7 @@ def bench(args: argparse.Namespace) -> Any:
         print(f"    {'cost measure':<20}{costs}")
         means = "".join(f"{statistics.mean(r[setting]['costs']) * 1e3:>36.3f}" for r in results.values())
         print(f"    {'  its mean':<20}{means}")
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

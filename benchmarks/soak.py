@@ -199,6 +199,7 @@ def bench(args: argparse.Namespace) -> Any:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "samples": samples}, indent=1))
     if code != 0 or not samples:
         sys.exit(code or 1)
+    return {"rows": rows}
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

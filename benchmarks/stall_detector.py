@@ -48,7 +48,7 @@ def launch(
     return done, time.time()
 
 
-def detection(how: str, floor: float, repeats: int, peer_timeout: float = 10, hogs: int = 0) -> None:
+def detection(how: str, floor: float, repeats: int, peer_timeout: float = 10, hogs: int = 0) -> dict:
     bounds, quiets, latencies = [], [], []
     with procs.busy_processes(hogs):
         for _ in range(repeats):
@@ -62,6 +62,8 @@ def detection(how: str, floor: float, repeats: int, peer_timeout: float = 10, ho
             f"{max(latencies):.1f}); over the bound: median {statistics.median(over):.1f} s, max {max(over):.1f} s; "
             f"load {os.getloadavg()[0]:.1f}"
         )
+    return {"how": how, "peer_timeout": peer_timeout, "hogs": hogs, "repeats": repeats, "bounds": bounds,
+            "quiets": quiets, "latencies": latencies}  # fmt: skip
 
 
 def _detect_once(how: str, floor: float, peer_timeout: float, bounds: list, quiets: list, latencies: list) -> None:
@@ -79,7 +81,7 @@ def _detect_once(how: str, floor: float, peer_timeout: float, bounds: list, quie
         latencies.append(ended - float(stalled.group(1)))
 
 
-def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
+def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> dict:
     alarms, runs, loads = 0, 0, []
     with procs.busy_processes(spinners):
         time.sleep(20)  # let the load average climb
@@ -102,6 +104,7 @@ def false_alarms(floor: float, repeats: int, steps: int, spinners: int) -> None:
         f"  no stall, {steps} steps, floor {floor:g} s, {spinners} busy processes: {alarms} false alarms in {runs} "
         f"runs (fit and a hand-written loop); 1-min load average {min(loads):.1f} to {max(loads):.1f}"
     )
+    return {"runs": runs, "false_alarms": alarms, "loads": loads}
 
 
 QUICK: dict[str, Any] = {
@@ -128,13 +131,13 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def bench(args: argparse.Namespace) -> Any:
     print(f"stall detector: floor {args.floor:g} s, 2 processes (a watchdog round is min(T/10, 1 s))")
-    print(f"  load average at the start: {os.getloadavg()[0]:.2f}")
+    rows = []
     for timeout in (float(t) for t in args.peer_timeouts.split(",")):
         for hogs in (int(h) for h in args.hogs.split(",")):
-            detection("spin", args.floor, args.repeats, timeout, hogs)
-    detection("data", args.floor, args.repeats)
-    if not args.no_false_alarms:
-        false_alarms(args.floor, args.repeats, args.steps, args.spinners)
+            rows.append(detection("spin", args.floor, args.repeats, timeout, hogs))
+    rows.append(detection("data", args.floor, args.repeats))
+    alarms = None if args.no_false_alarms else false_alarms(args.floor, args.repeats, args.steps, args.spinners)
+    return {"detection": rows, "false_alarms": alarms}
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
