@@ -88,7 +88,7 @@ class Transformer(nnx.Module):
         return self.head(self.ln(x)).astype(jnp.float32)
 
 
-def loss(model: Transformer, batch: dict, rng: jax.Array) -> tuple:
+def loss(model: nnx.Module, batch: dict, rng: jax.Array) -> tuple:
     """Per-byte cross-entropy and next-byte accuracy as ``jddp.Weighted`` sums over the real targets."""
     logits = model(batch["tokens"][:, :-1].astype("int32"))
     targets = batch["tokens"][:, 1:].astype(jnp.int32)
