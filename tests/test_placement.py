@@ -242,3 +242,32 @@ def test_a_cpu_host_keeps_the_cpu_defaults(monkeypatch):
 def test_jddp_launch_refuses_what_an_accelerator_host_cannot_do(argv, match):
     with pytest.raises(ValueError, match=match):
         launch_environments(argv, GPUS8)
+
+
+def test_each_gpu_process_joins_with_its_own_id_and_every_device_it_sees(monkeypatch):
+    """The launcher's environment, read back by ``jddp.initialize``: ``jax.distributed.initialize``'s arguments of
+    each of 8 GPU processes (its id, the group, ``local_device_ids=None``: its one visible GPU is its own)."""
+    from jddp.runtime import join_settings
+
+    _, envs = launch_environments([], GPUS8)
+    for rank, env in enumerate(envs):
+        for name, value in env.items():
+            if name.startswith("JDDP_") or name == "CUDA_VISIBLE_DEVICES":
+                monkeypatch.setenv(name, value)
+        settings = join_settings.Settings.resolve(None, None, None, None, None, None, None)
+        args = join_settings.join_arguments(
+            settings, bind="127.0.0.1:0", local_device_ids=None, timeout_s=300, heartbeat_s=45, shutdown_s=5
+        )
+        assert (args["coordinator_address"], args["num_processes"], args["process_id"]) == ("127.0.0.1:29500", 8, rank)
+        assert args["local_device_ids"] is None and settings.local_devices is None
+
+
+def test_the_topology_line_names_the_devices_of_the_process_that_prints_it():
+    from jddp.runtime import topology
+
+    assert topology.describe(8, "cpu", 1, list(range(8)), None) == "jddp: 8 devices (cpu), 1 process x 8 local devices"
+    assert topology.describe(16, "gpu", 2, list(range(8)), tuple(map(str, range(8)))) == (
+        "jddp: 16 devices (gpu), 2 processes x 8 local devices; process 0 holds devices 0,1,2,3,4,5,6,7 "
+        "(driver ids 0,1,2,3,4,5,6,7)"
+    )
+    assert topology.describe(8, "tpu", 1, [0, 1, 2, 3, 4, 5, 6, 7], None).endswith("holds devices 0,1,2,3,4,5,6,7")

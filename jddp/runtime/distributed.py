@@ -191,7 +191,11 @@ def _prepare_backend(settings: join_settings.Settings) -> None:
         )
     if settings.local_devices is not None:
         mesh.simulate_cpu_devices(settings.local_devices)
-    if jax.config.jax_platforms in (None, "", "cpu") or settings.local_devices is not None:  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
+    # gloo carries collectives between processes' CPU devices only; on a host whose accelerators jddp launch placed
+    # the processes on (JDDP_PLATFORM), the collectives are the accelerator's (NCCL, ICI) and the CPU has none.
+    on_accelerator = envvars.get("JDDP_PLATFORM") in ("cuda", "rocm", "tpu") and settings.local_devices is None
+    cpu = jax.config.jax_platforms in (None, "", "cpu") or settings.local_devices is not None  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
+    if cpu and not on_accelerator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
@@ -238,14 +242,14 @@ def _join(settings: join_settings.Settings, shutdown_timeout_s: float) -> str | 
     else:
         reach.wait_reachable(host, port, deadline, process_id, num_processes)
     jax.distributed.initialize(
-        coordinator,
-        num_processes,
-        process_id,
-        local_device_ids=local_device_ids,
-        coordinator_bind_address=bind,
-        initialization_timeout=max(1, int(deadline - time.monotonic())),
-        heartbeat_timeout_seconds=heartbeat,
-        shutdown_timeout_seconds=int(shutdown_timeout_s),
+        **join_settings.join_arguments(
+            settings,
+            bind=bind,
+            local_device_ids=local_device_ids,
+            timeout_s=deadline - time.monotonic(),
+            heartbeat_s=heartbeat,
+            shutdown_s=int(shutdown_timeout_s),
+        )
     )
     if jax.config.jax_cpu_collectives_implementation == "gloo":  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
         jax_internals.use_gloo_with_hostname(_own_address_toward(host, port))

@@ -152,3 +152,30 @@ def from_mpi() -> tuple[str, int, int] | None:
         address = f"{host}:{net.free_port(host if host == '127.0.0.1' else '0.0.0.0')}"
     address = comm.bcast(address, root=0)
     return address, comm.Get_size(), comm.Get_rank()
+
+
+def join_arguments(
+    settings: Settings,
+    *,
+    bind: str,
+    local_device_ids: list[int] | None,
+    timeout_s: float,
+    heartbeat_s: int,
+    shutdown_s: int,
+) -> dict:
+    """The keyword arguments of ``jax.distributed.initialize`` for a group given in full by ``settings``.
+
+    ``local_device_ids`` stays None under ``jddp launch``, also on a GPU host: the launcher gave each process its
+    GPUs through the driver (``CUDA_VISIBLE_DEVICES``, ``jddp.placement``), so every device the process sees is its
+    own, which is what None means to JAX. A cluster JAX detects (SLURM) may give them (``detect_cluster``).
+    """
+    return dict(
+        coordinator_address=settings.coordinator,
+        num_processes=settings.num_processes,
+        process_id=settings.process_id,
+        local_device_ids=local_device_ids,
+        coordinator_bind_address=bind,
+        initialization_timeout=max(1, int(timeout_s)),
+        heartbeat_timeout_seconds=heartbeat_s,
+        shutdown_timeout_seconds=shutdown_s,
+    )
