@@ -177,7 +177,7 @@ def block_cost(on: list[float], off: list[float], result: dict, args) -> float:
     return extra / max(result["taken_on"], 1)
 
 
-def within(args) -> None:
+def within(args) -> dict:
     """Runs ``worker`` under ``jddp launch -n 2`` ``--repeats`` times and prints on/off per block pair."""
     ratios, on_ms, off_ms = [], [], []
     print(f"snapshot cost within runs ({args.model}): {args.repeats} runs x {args.blocks} block pairs x "
@@ -216,10 +216,10 @@ def within(args) -> None:
         saved = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {"runs": []}
         saved["runs"].append({"model": args.model, "block": args.block, "load_end": os.getloadavg()[0], "pairs": pairs})
         Path(args.out).write_text(json.dumps(saved, indent=1) + "\n")
-    report(on_ms, off_ms)
+    return report(on_ms, off_ms)
 
 
-def report(on_ms: list[float], off_ms: list[float]) -> None:
+def report(on_ms: list[float], off_ms: list[float]) -> dict:
     """Two statistics of the block pairs: the median of the on/off ratios (robust to a block hit by something else)
     and the ratio of the on blocks' total time to the off blocks' (what a run pays: its wall time), each with a 95%
     bootstrap interval over the pairs."""
@@ -233,6 +233,8 @@ def report(on_ms: list[float], off_ms: list[float]) -> None:
         f"pair: median {statistics.median(ratios):.4f}, 95% bootstrap interval {low:.4f} to {high:.4f}; total time "
         f"on/off {total:.4f}, 95% bootstrap interval {t_low:.4f} to {t_high:.4f}"
     )
+    return {"pair_ratios": ratios, "median_pair_ratio": statistics.median(ratios), "ci95": [low, high],
+            "total_ratio": total, "total_ci95": [t_low, t_high]}  # fmt: skip
 
 
 QUICK: dict[str, Any] = {"repeats": 1, "models": "mlp", "blocks": 2, "block": 10}  # --quick: a tiny size
@@ -260,16 +262,14 @@ def get_args_parser() -> argparse.ArgumentParser:
 def bench(args: argparse.Namespace) -> Any:
     if args.worker:
         worker(args)
-        return
+        return None
     if args.pooled:
         runs = json.loads(Path(args.pooled).read_text())["runs"]
         pairs = [pair for run in runs for pair in run["pairs"]]
         print(f"{args.pooled}: {len(runs)} runs ({', '.join(sorted({r['model'] for r in runs}))})")
-        report([p["on_ms"] for p in pairs], [p["off_ms"] for p in pairs])
-        return
+        return report([p["on_ms"] for p in pairs], [p["off_ms"] for p in pairs])
     if args.within:
-        within(args)
-        return
+        return within(args)
     models = args.models.split(",")
     print(f"snapshot cost: {args.repeats} runs per mode and model, load {os.getloadavg()[0]:.2f}", flush=True)
     rows: dict[tuple[str, str], list[dict]] = {}
@@ -281,6 +281,7 @@ def bench(args: argparse.Namespace) -> Any:
                     rows.setdefault((model, mode), []).append(r)
                     print(f"  {model} {mode}: {r}", flush=True)
     print(f"medians (load at the end {os.getloadavg()[0]:.2f}):")
+    results = {}
     for model in models:
         off, on = rows.get((model, "off"), []), rows.get((model, "on"), [])
         if not off or not on:
@@ -289,6 +290,7 @@ def bench(args: argparse.Namespace) -> Any:
         m_on = statistics.median(r["step_ms"] for r in on)
         ratios = [b["step_ms"] / a["step_ms"] for a, b in zip(off, on, strict=False)]
         low, high = harness.bootstrap_median(ratios)
+        results[model] = {"off": off, "on": on, "pair_ratios": ratios, "ci95": [low, high]}
         print(
             f"  {model}: off {m_off:.2f} ms/step, on {m_on:.2f} ms/step, on/off {m_on / m_off:.3f} (pairs: "
             + ", ".join(f"{x:.3f}" for x in ratios)
@@ -296,6 +298,7 @@ def bench(args: argparse.Namespace) -> Any:
             + f"{statistics.median(r['every'] for r in on):.0f}; median of the {len(ratios)} pairs' ratios "
             + f"{statistics.median(ratios):.3f}, 95% bootstrap interval {low:.3f} to {high:.3f}"
         )
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
