@@ -24,7 +24,7 @@ cost (the threads' time, and the wall time they add to the ``AFTER`` steps after
 snapshot the blocks show (the median extra time of an on block over its off block, over the snapshots taken in on
 blocks), then over every block pair the median on/off ratio and the ratio of the on blocks' total time to the
 off blocks' (what a run pays), each with its 95% bootstrap interval. ``--budget`` sets ``snapshot_budget``,
-``--after`` ``jddp.checkpoint.snapshot.AFTER``, to compare settings. ``--out FILE`` adds the run's block pairs to
+``--after`` ``jddp.checkpoint.snapshot_interval.AFTER``, to compare settings. ``--out FILE`` adds the run's block pairs to
 a JSON file; ``--pooled FILE`` prints the two statistics over every pair saved there, runs pooled.
 """
 
@@ -124,9 +124,9 @@ def worker(args) -> None:
     every = args.snapshot_every or None
     budget = {"snapshot_budget": args.budget} if args.budget else {}  # else the Checkpointer's default
     if args.after:
-        from jddp.checkpoint import snapshot
+        from jddp.checkpoint import snapshot_interval
 
-        snapshot.AFTER = args.after
+        snapshot_interval.AFTER = args.after  # read there, by the interval's cost model
     ckpt = jddp.Checkpointer(args.dir, save_every=args.save_every, snapshots=True, snapshot_every=every, **budget)
     snaps = ckpt._snapshots  # the one private handle: the same Checkpointer, its snapshots taken or not
     assert snaps is not None
@@ -250,7 +250,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block", type=int, default=200, help="--within: steps per block")
     parser.add_argument("--snapshot-every", type=int, default=0, help="--within: fixed interval (0: by their cost)")
     parser.add_argument("--budget", type=float, default=0.0, help="--within: snapshot_budget (0: the default)")
-    parser.add_argument("--after", type=int, default=0, help="--within: snapshot.AFTER (0: jddp's)")
+    parser.add_argument("--after", type=int, default=0, help="--within: snapshot_interval.AFTER (0: jddp's)")
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="--within: the model")
     parser.add_argument("--out", default=None, help="--within: a JSON file the block pairs are added to")
     parser.add_argument("--pooled", default=None, help="print the statistics of the pairs saved in this file, pooled")

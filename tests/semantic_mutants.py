@@ -298,7 +298,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the step compiled without donation whatever donate says (2x the state's memory)",
         (
             _p(
-                "jddp.engine.parallel:DataParallel._compile",
+                "jddp.engine.programs:Programs._compile",
                 ("donate_argnums=(0,) if donate else ()", "donate_argnums=()"),
             ),
         ),
@@ -706,7 +706,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the micro-batch count rounded down, so a micro-batch takes more rows than the limit",
         (
             _p(
-                "jddp.data.loader:split_batch",
+                "jddp.data.sizes:split_batch",
                 (
                     "k = -(-global_batch_size // (devices * max_per_device))",
                     "k = max(1, global_batch_size // (devices * max_per_device))",

@@ -31,8 +31,8 @@ NAME = re.compile(r"\bJDDP_[A-Z0-9_]+")
 WRONG = ("False", "false", "no", "off", "0", "", "nan", "NaN", "inf", "-inf", "-1", "-0.5", "abc", "1e400", "5.0")
 WRONG += (" ", "\t", " 7 ", "0x10", "1_0", "yes please", "truee", "2 3", "-", "+", ".", "1e-400")
 READS = ("get", "pop", "getenv")  # os.environ.get / .pop (its value used) / os.getenv
-# Reads of a JDDP_* variable not yet through envvars: the engine is being edited by others right now.
-# jddp/engine/parallel.py should read JDDP_TRANSPORT as envvars.get(ENV_TRANSPORT) (its declaration is there).
+# Reads of a JDDP_* variable not yet through envvars (none: jddp/engine/transport.py reads JDDP_TRANSPORT as
+# envvars.get(ENV_TRANSPORT)).
 NOT_YET_ROUTED: set[tuple[str, str]] = set()
 
 

@@ -56,8 +56,8 @@ command -v mutmut >/dev/null || { echo "mutmut not found: pip install 'mutmut==3
 DEFAULT=(
   'jddp.engine.reduce.*' 'jddp.engine.metrics.*' 'jddp.engine.fused.*'
   'jddp.data.sampler.*'
-  'jddp.data.loader.xǁ_ReadBatchǁ*' 'jddp.data.loader.xǁ_FirstPositionǁ*' 'jddp.data.loader.x_read__mutmut_*'
-  'jddp.data.loader.xǁDataLoaderǁ__iter____mutmut_*' 'jddp.data.loader.xǁDataLoaderǁ_next_local__mutmut_*'
+  'jddp.data.reading.xǁReadBatchǁ*' 'jddp.data.pipeline.xǁ_FirstPositionǁ*' 'jddp.data.reading.x_read__mutmut_*'
+  'jddp.data.loader.xǁDataLoaderǁ__iter____mutmut_*' 'jddp.data.pipeline.xǁStreamǁnext__mutmut_*'
   'jddp.data.loader.xǁDataLoaderǁlocal_batches__mutmut_*' 'jddp.data.loader.xǁDataLoaderǁset_epoch__mutmut_*'
   'jddp.data.loader.xǁDataLoaderǁset_state__mutmut_*'
   'jddp.checkpoint.digest.*' 'jddp.runtime.checksum.*' 'jddp.config.*' 'jddp.cli.reports.*'
