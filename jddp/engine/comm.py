@@ -4,6 +4,12 @@ The two differ where the backend rewrites collectives: XLA combines the
 per-leaf all-reduces into one op and, on CPU, widens a bf16 all-reduce to f32.
 The lowered program shows what jddp asked for (the dtype on the wire where the
 backend keeps it); the compiled one shows what runs here.
+
+For another platform (``lower_for``: ``cuda``, ``rocm``, ``tpu``), JAX lowers the
+program on this machine with no device; nothing can be compiled, so the report
+holds the lowered collectives and the program's custom calls, and names each
+host callback (Python run on the host every step) and each custom call of
+another platform (``CommReport.portability``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,15 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
+
+_CUSTOM_CALL = re.compile(r'(?:stablehlo\.custom_call|custom_call)\s*@([\w.$\-]+)|call_target_name\s*=\s*"([^"]+)"')
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+# Custom calls that are part of how JAX lowers portable programs (sharding annotations, shard_map's boundaries).
+PORTABLE_CUSTOM_CALLS = frozenset(
+    {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement",
+     "xla.sdy.GlobalToLocalShape", "xla.sdy.LocalToGlobalShape", "xla.sdy.FuncResultSharding",
+     "local_sharding_constraint"}
+)  # fmt: skip
 
 MSG_CPU_BF16 = (
     "XLA:CPU widens a bf16 all-reduce to f32: the gradients are rounded to bf16, "
@@ -93,6 +108,44 @@ class CommReport:
     collectives: tuple[Collective, ...]
     notes: tuple[str, ...] = ()
     lowered: tuple[Collective, ...] = ()
+    custom_calls: tuple[str, ...] = ()  # the lowered program's custom-call targets, in order of appearance
+    platform: str | None = None  # what it was lowered for (None: this machine's, compiled)
+
+    @classmethod
+    def from_lowered(cls, lowered_text: str, *, platform: str) -> CommReport:
+        """The report of a program lowered for ``platform`` (``lower_for``), which cannot be compiled here: its
+        ``collectives`` are the lowered ones, and ``notes`` name what would not run as well there (``portability``).
+
+        Raises:
+          TypeError: if ``lowered_text`` is not a str.
+          ValueError: if ``platform`` is not one of ``PLATFORMS``.
+        """
+        validate.check_str("lowered_text", lowered_text, empty=True)
+        check_platform(platform)
+        lowered = _lowered_collectives(lowered_text)
+        calls = tuple(a or b for a, b in _CUSTOM_CALL.findall(lowered_text))
+        report = cls(lowered, (), lowered, calls, platform)
+        return dataclasses.replace(report, notes=report.portability())
+
+    def portability(self) -> tuple[str, ...]:
+        """What in the program would not run on ``platform`` as it runs here: each host callback (Python on the
+        host every step: a device-to-host copy and a wait, per call) and each custom call outside JAX's portable
+        ones (a kernel written for one platform: ``mpi4jax``'s, Pallas's, a CPU-only library's)."""
+        found = []
+        for target in dict.fromkeys(self.custom_calls):
+            if target in PORTABLE_CUSTOM_CALLS:
+                continue
+            if "callback" in target:
+                found.append(
+                    f"host callback `{target}`: the step runs Python on the host each time (a device-to-host copy "
+                    "and a wait); move it out of the step or behind `jax.debug` flags."
+                )
+            else:
+                found.append(
+                    f"custom call `{target}`: a kernel of one platform's; check that {self.platform or 'the target'} "
+                    "has it before running there."
+                )
+        return tuple(found)
 
     @classmethod
     def from_hlo(cls, hlo_text: str, *, reduce_dtype=None, lowered_text: str | None = None) -> CommReport:
@@ -187,6 +240,36 @@ class CommReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def check_platform(platform: object) -> None:
+    if not isinstance(platform, str) or platform not in PLATFORMS:
+        raise ValueError(
+            f"`platform` must be one of {', '.join(repr(p) for p in PLATFORMS)} (JAX's names; 'gpu' is 'cuda' or "
+            f"'rocm'), got platform={platform!r}."
+        )
+
+
+def lower_for(jitted, args: tuple, platform: str):
+    """``jitted`` (a ``jax.jit`` function) traced on ``args`` and lowered for ``platform``, with no device of it
+    here (``jax.stages.Lowered``; ``as_text()`` is its StableHLO).
+
+    Raises:
+      ValueError: if ``platform`` is unknown, or the program holds an operation with no lowering for it (a
+        CPU-only primitive such as ``mpi4jax``'s), naming both.
+    """
+    check_platform(platform)
+    traced = jitted.trace(*args)  # the user's errors in tracing are theirs, raised as they are
+    try:
+        return traced.lower(lowering_platforms=(platform,))
+    except (NotImplementedError, ValueError) as error:
+        # JAX: "MLIR translation rule for primitive 'x' not found for platform y" (NotImplementedError); a host
+        # callback lowered for another platform than this machine's: "the platform for the specified backend cpu
+        # is different from the lowering platform cuda" (ValueError).
+        raise ValueError(
+            f"The program cannot be lowered for platform={platform!r}: {error}. An operation in it (the loss, a "
+            "hook, a transport) exists only for another platform."
+        ) from error
 
 
 def _check_op(op: object) -> None:

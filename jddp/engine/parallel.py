@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, comm, loss_scale, programs, replicas, zero
+from jddp.engine import checks, comm, loss_scale, lowering, programs, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
 from jddp.engine import transport as transport_lib
@@ -424,12 +424,34 @@ class DataParallel:
     def _lowered(self, state: state_lib.TrainState, batch: jt.Batch) -> jax.stages.Lowered:
         return self._program(state).lower(*self._args(state, batch))
 
-    def comm_report(self, state: state_lib.TrainState, batch: jt.Batch) -> comm.CommReport:
-        """The collectives of the compiled step (op, operands, dtype, bytes), and in ``lowered`` as asked for.
+    def lower(
+        self, state: state_lib.TrainState, batch: jt.Batch, *, platform: str | None = None, program: str = "step"
+    ) -> jax.stages.Lowered:
+        """The ``program`` (``"step"``, ``"eval"``, ``"replica_check"``) for ``state`` and ``batch``, lowered for
+        ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; default this machine's), which need not be
+        present: JAX lowers for any platform without its device. Nothing runs; ``as_text()`` is the StableHLO.
 
-        Compiling for the report does not run the step or touch ``state``.
+        Raises:
+          ValueError: for an unknown ``platform`` or ``program``, or a program holding an operation that exists
+            only on another platform (a host callback, a CPU-only primitive), naming the platform.
         """
         checks.check_call(self, state, batch)
+        return lowering.lower(self, state, batch, platform=platform or jax.default_backend(), program=program)
+
+    def comm_report(
+        self, state: state_lib.TrainState, batch: jt.Batch, *, platform: str | None = None
+    ) -> comm.CommReport:
+        """The collectives of the compiled step (op, operands, dtype, bytes), and in ``lowered`` as asked for.
+
+        Compiling for the report does not run the step or touch ``state``. With ``platform`` (``"cuda"``,
+        ``"rocm"``, ``"tpu"``) the step is lowered for that platform instead, with no device of it needed: the
+        report then holds the lowered collectives, the custom calls, and in ``notes`` what would not run as well
+        there (``CommReport.from_lowered``).
+        """
+        checks.check_call(self, state, batch)
+        if platform is not None and platform != jax.default_backend():
+            text = self.lower(state, batch, platform=platform).as_text()
+            return comm.CommReport.from_lowered(text, platform=platform)
         lowered = self._lowered(state, batch)
         hlo = lowered.compile().as_text()
         if hlo is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -148,10 +149,10 @@ def check_replicas(tree, mesh: Mesh) -> None:
         from the majority, and how many agree.
     """
     with_paths = [(p, x) for p, x in jax.tree.leaves_with_path(tree) if isinstance(x, jax.Array)]
-    leaves = [x for _, x in with_paths if x.is_fully_replicated and x.size]
+    program, leaves = checksum_program(tree, mesh)
     if not leaves:
         return
-    table = np.asarray(_checksums(mesh, len(leaves))(*leaves))  # [devices, leaves, 2], replicated
+    table = np.asarray(program(*leaves))  # [devices, leaves, 2], replicated
     paths = [jax.tree_util.keystr(p) for p, x in with_paths if x.is_fully_replicated and x.size]
     devices = list(mesh.devices.flat)
     for leaf in range(table.shape[1]):
@@ -167,6 +168,13 @@ def check_replicas(tree, mesh: Mesh) -> None:
             "all-reduced gradient): a host-specific code path, a faulty device or memory, or a process that changed "
             "its state on its own. Resume from the last checkpoint."
         )
+
+
+def checksum_program(tree, mesh: Mesh) -> tuple[Any, list[jax.Array]]:
+    """The jitted checksum program of ``check_replicas`` for ``tree`` on ``mesh``, and the leaves it takes (the
+    replicated, non-empty arrays of ``tree``)."""
+    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.is_fully_replicated and x.size]
+    return _checksums(mesh, len(leaves)), leaves
 
 
 @functools.lru_cache(maxsize=32)
