@@ -225,7 +225,16 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     ),
     "jddp.DataParallel.assert_replicas_identical": lambda c: Call(c.dp.assert_replicas_identical, {"state": c.state()}),
     "jddp.DataParallel.check_replicas": lambda c: Call(c.dp.check_replicas, {"state": c.state()}),
-    "jddp.DataParallel.comm_report": lambda c: Call(c.dp.comm_report, {"state": c.state(), "batch": c.batch()}),
+    "jddp.DataParallel.comm_report": lambda c: Call(
+        c.dp.comm_report, {"state": c.state(), "batch": c.batch(), "platform": "cuda"}
+    ),
+    "jddp.DataParallel.lower": lambda c: Call(
+        c.dp.lower, {"state": c.state(), "batch": c.batch(), "platform": "tpu", "program": "eval"}
+    ),
+    "jddp.CommReport.from_lowered": lambda c: Call(
+        jddp.CommReport.from_lowered, {"lowered_text": "", "platform": "cuda"}
+    ),
+    "jddp.CommReport.portability": lambda c: Call(c.hlo.portability, {}),
     "jddp.DataParallel.compile": lambda c: Call(c.dp.compile, {"state": c.state(), "batch": c.batch()}),
     "jddp.DataParallel.eval_step": lambda c: Call(c.dp.eval_step, {"state": c.state(), "batch": c.batch()}),
     "jddp.DataParallel.evaluate": lambda c: Call(c.dp.evaluate, {"state": c.state(), "batches": [c.batch()]}),
@@ -599,6 +608,8 @@ ACCEPTED: dict[tuple[str, str, str], str] = {
     ("jddp.checkpoint.state_digests", "tree", "tuple-of-args"): "any pytree of jax.Arrays: a tuple is one",
     ("jddp.CommReport.from_hlo", "*", "empty"): "a program text without collectives gives an empty report, an empty "
     "text too (the factory's own call)",
+    ("jddp.CommReport.from_lowered", "*", "empty"): "a lowered text without collectives gives an empty report, as "
+    "from_hlo does",
     ("jddp.fit", "log_every", "None"): "None: one training record, at the last step (documented in fit's Args)",
 }
 

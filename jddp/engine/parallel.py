@@ -436,7 +436,8 @@ class DataParallel:
             only on another platform (a host callback, a CPU-only primitive), naming the platform.
         """
         checks.check_call(self, state, batch)
-        return lowering.lower(self, state, batch, platform=platform or jax.default_backend(), program=program)
+        platform = jax.default_backend() if platform is None else platform
+        return lowering.lower(self, state, batch, platform=platform, program=program)
 
     def comm_report(
         self, state: state_lib.TrainState, batch: jt.Batch, *, platform: str | None = None
