@@ -51,6 +51,7 @@ class Case:
     error: type[BaseException]
     match: str
     setup: Callable[[Env], Any] | None = None
+    starts_processes: bool = False  # Grain worker processes: the full tier only (conftest.py)
 
 
 class NamedBatch(typing.NamedTuple):
@@ -573,6 +574,7 @@ CASES = [
         lambda e: first_batch(source=ShortSource(), seed=0, worker_count=1),
         IndexError,
         r"record \d+ out of range(.|\n)*jddp.DataLoader: raised reading examples",
+        starts_processes=True,
     ),
     Case(
         "transform raises",
@@ -811,7 +813,7 @@ CASES = [
         "launch -n 0",
         lambda e: launch_config("-n", "0", __file__),
         argparse.ArgumentError,
-        r"argument -n/--nprocs: must be an integer of at least 1, got '0'",
+        r"argument -n/--nprocs/--nproc-per-node: must be auto, device, host or an integer of at least 1, got '0'",
     ),
     Case(
         "launch --devices-per-process 0",
@@ -937,7 +939,11 @@ def test_the_catalogue_is_large_and_its_ids_unique():
     assert len(ids) >= 70 and len(set(ids)) == len(ids)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.multiprocess] if c.starts_processes else []) for c in CASES],
+    ids=[case.id for case in CASES],
+)
 def test_a_mistake_is_a_clear_error_and_changes_nothing(case: Case, base, tmp_path):
     model, dp, disk = base
     env = Env(dp, dp.init(model.params), model, disk, tmp_path)

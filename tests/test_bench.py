@@ -125,6 +125,7 @@ def test_bad_device_list_is_a_usage_error(capsys):
     assert "expected comma-separated ints such as 1,2,4, got '1,two'" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_timeout_names_the_configuration():
     config = bench.BenchConfig(devices=(1,), timeout_s=0.01)
     with pytest.raises(RuntimeError, match=r"processes=1 devices=1 took more than 0.01 s"):
@@ -322,6 +323,7 @@ def test_a_users_batch_is_repeated_to_the_global_batch_or_must_have_its_rows(use
         custom.global_batch(custom.load(f"{name}:short"), f"{name}:short", 8)
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_bench_refuses_a_users_model_before_running_any_configuration(user_dir, capsys):
     """The parent checks the function in a child process; its error comes back as a usage error, with no
     configuration started (no JSON written)."""

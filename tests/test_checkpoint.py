@@ -240,6 +240,7 @@ def test_every_checkpoint_damaged_starts_afresh_with_a_warning_and_keeps_them(tm
     gc.collect()  # as above
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     """A process SIGKILLs itself while its async save of a 64 MB state is being written."""
     code = f"""
@@ -370,6 +371,7 @@ for then in ("save", "wait", "close"):
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a tmpfs")
+@pytest.mark.multiprocess  # starts a process of its own
 def test_a_disk_full_in_the_background_write_surfaces_once_and_a_retry_writes_the_step(tmp_path):
     """A real fault: a 2.5 MiB tmpfs (in a private mount namespace) fills up while step 1 is written.
 
@@ -526,6 +528,7 @@ def run_script(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("how", ["returns", "raise"])
+@pytest.mark.multiprocess  # starts a process of its own
 def test_a_script_that_ends_without_close_still_writes_its_last_save(tmp_path, how):
     """torch.save habits: ``save`` and the end of the script, no ``close``. The async save is finished at exit
     (said on stderr), the lease given back; before, the step was lost with the interpreter, silently. Alone (no
@@ -571,6 +574,7 @@ else:
 
 
 @pytest.mark.parametrize("how", ["with", "no-close"])
+@pytest.mark.multiprocess  # starts a process of its own
 def test_a_preempted_process_exits_75_even_if_another_sigterm_comes_during_its_exit(tmp_path, how):
     """After the preemption save the process exits 75, closing its Checkpointer on the way (a ``with`` block, or
     jddp's exit hook): a second SIGTERM then (a launcher's forward, a scheduler's repeat) must not turn 75 into a

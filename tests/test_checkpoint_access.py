@@ -86,6 +86,7 @@ def test_a_second_writer_is_refused_naming_the_owner_and_touches_nothing(tmp_pat
         ("unreadable, heartbeat stale", True),
     ],
 )
+@pytest.mark.multiprocess  # starts a process of its own
 def test_a_stale_lease_is_taken_over_and_a_live_one_is_not(tmp_path, owner, taken_over):
     if owner.startswith("a dead"):
         path = write_lease(tmp_path, host=socket.gethostname(), pid=dead_pid())

@@ -89,6 +89,7 @@ def test_detection_names_the_stopped_process(group):
     assert found["rounds_per_s"] > 0
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_detection_names_the_aggregator_when_it_stops_after_a_restart():
     # process 0 reads every heartbeat and publishes the summary the others act on: when it stops, its summary
     # stops moving, and every other watchdog names it as it would any silent peer (a group of its own: the one

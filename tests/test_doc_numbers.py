@@ -322,7 +322,8 @@ def test_the_engine_guides_agreement_of_the_two_engines_holds():
         a, b = (_train(*model, optax.sgd(0.1), 1, shard=shard, clip=clip) for shard in (False, True))
         measured = max(_ulps(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
         assert 0 < measured <= bound, (clip, measured, bound)
-    tolerance, key_bias = _quoted(r"every leaf was within (\S+) but one"), _quoted(r"it differed by (\d\.\de-\d)")
+    tolerance = _quoted(r"every leaf was within (\S+) but one")
+    low, high = _quoted(r"it differed by (\d\.\de-\d) to"), _quoted(r"it differed by \S+ to (\d\.\de-\d)")
     a, b = (_train(*model, optax.adamw(1e-3), 20, shard=shard) for shard in (False, True))
     diffs = {
         jax.tree_util.keystr(path): float(np.abs(x - y).max())
@@ -330,7 +331,7 @@ def test_the_engine_guides_agreement_of_the_two_engines_holds():
     }
     key = next(k for k in diffs if "key" in k and "bias" in k)
     assert max(v for k, v in diffs.items() if k != key) <= tolerance, diffs
-    assert diffs[key] == pytest.approx(key_bias, rel=0.05), diffs[key]
+    assert 0.95 * low <= diffs[key] <= 1.05 * high, (diffs[key], low, high)  # noise, of the size quoted
 
 
 @pytest.mark.slow

@@ -196,6 +196,7 @@ print(before, rss(), *trimmed)
 """
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_trimmer_returns_a_fragmented_heap(tmp_path):
     # 128 MB freed inside the heap stays resident under the launcher's settings until the trimmer is due: red with
     # the trim call removed (no MB returned) or made before `every` seconds have passed (a trim at 0 or 30 s).

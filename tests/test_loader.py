@@ -254,6 +254,7 @@ def test_direct_transfer_equals_device_put():
 
 
 @pytest.mark.parametrize("transform", [None, double_with_noise], ids=["arrays", "transform"])
+@pytest.mark.multiprocess  # starts a process of its own
 def test_worker_processes_give_the_same_batches(monkeypatch, transform):
     monkeypatch.setattr(reading, "READ_BYTES", 3000)  # several blocks per worker
     data = source(96)

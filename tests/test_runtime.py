@@ -51,6 +51,7 @@ def test_simulate_rejects_bad_counts(n):
         jddp.simulate_cpu_devices(n)
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_simulate_in_a_fresh_process():
     code = "import jddp; jddp.simulate_cpu_devices(3); import jax; print(jax.device_count(), jax.default_backend())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -73,6 +74,7 @@ def test_cli_info_reports_devices():
     assert int(rows["process_count"]) == 1
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_cli_info_console_script_in_fresh_process():
     out = subprocess.run(
         [sys.executable, "-m", "jddp.cli.main", "info", "--simulate-devices", "2"],

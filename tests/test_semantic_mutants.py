@@ -111,6 +111,7 @@ def test_an_unknown_mutant_name_is_an_error(monkeypatch):
         registry.apply_from_env()
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_the_runner_kills_a_mutant_in_a_fresh_pytest():
     """End to end on the cheapest mutant (NumPy only): the plugin applies it, its test fails, the runner says so."""
     done = subprocess.run(

@@ -376,6 +376,7 @@ class _nothing:
         return False
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_a_real_sigkill_during_writes_leaves_complete_snapshots_only(tmp_path):
     """A process writing 16 MB snapshots is SIGKILLed in the middle of a pwrite (its writer pauses there: the test
     kills it then), after a drawn number of writes: its half-written file is there and never listed, and every

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from jddp.runtime import distributed
 from tests import multiprocess
 
@@ -30,6 +32,7 @@ def test_the_line_for_one_process_with_8_devices():
     assert distributed.topology_line() == LINE  # the root conftest simulates 8 CPU devices
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_a_script_without_initialize_says_it_once_at_its_first_mesh():
     done = run(
         """
@@ -45,6 +48,7 @@ def test_a_script_without_initialize_says_it_once_at_its_first_mesh():
     assert LINE not in done.stdout
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_initialize_with_the_launchers_devices_then_fit_says_it_once():
     """``JDDP_LOCAL_DEVICES=8`` as ``jddp launch -n 1 --devices-per-process 8`` sets it; ``fit`` on a mesh built
     without ``data_mesh`` says nothing more."""
@@ -69,6 +73,7 @@ def test_initialize_with_the_launchers_devices_then_fit_says_it_once():
     assert said == [LINE], done.stderr
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_fit_says_it_when_nothing_else_did():
     done = run(
         """
@@ -91,6 +96,7 @@ def test_fit_says_it_when_nothing_else_did():
     assert [line for line in done.stderr.splitlines() if line.startswith("jddp:")] == [LINE], done.stderr
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_jddp_info_under_the_launchers_local_devices():
     done = run("from jddp.cli import main; main.main(['info'])", JDDP_LOCAL_DEVICES="8")
     rows = dict(line.split(": ", 1) for line in done.stdout.splitlines())
@@ -98,6 +104,7 @@ def test_jddp_info_under_the_launchers_local_devices():
     assert rows["topology"] == LINE.removeprefix("jddp: "), rows
 
 
+@pytest.mark.multiprocess  # starts a process of its own
 def test_jddp_info_refuses_a_bad_local_devices_variable_naming_it():
     done = subprocess.run(
         [sys.executable, "-m", "jddp.cli.main", "info"],
