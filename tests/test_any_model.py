@@ -215,6 +215,7 @@ def plain_jit_sgd(plain, params, data):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_model_with_a_loop_from_constants_trains_like_plain_jit(name):
     loss_fn, plain, params, state = CASES[name]()
     data = batches()
@@ -231,6 +232,7 @@ def test_model_with_a_loop_from_constants_trains_like_plain_jit(name):
     assert abs(evaluated["loss"] - float(plain(expected, data[0]))) < 1e-5
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_accumulation_with_a_scan_model_equals_plain_jit():
     loss_fn, plain, params, state = equinox_case()
     data = batches(1)

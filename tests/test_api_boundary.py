@@ -804,6 +804,7 @@ def cases_of(c: Ctx, name: str) -> list[tuple[str, str, Any]]:
 
 
 @pytest.mark.parametrize("name", CALLED)
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_the_baseline_call_is_valid(ctx, name):
     call = FACTORIES[name](ctx)
     result = None
@@ -824,6 +825,7 @@ def test_the_baseline_call_is_valid(ctx, name):
         for n in CALLED
     ],
 )
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_every_wrong_value_is_refused_naming_its_parameter_or_accepted_on_purpose(ctx, name):
     findings = []
     for param, kind, value in cases_of(ctx, name):

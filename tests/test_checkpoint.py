@@ -180,6 +180,7 @@ def flip_bytes(step_dir: Path) -> None:
 # ("Event loop is closed", ignored in a background thread): noise of the failure path, not of jddp.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", [truncate, delete_manifest, flip_bytes], ids=lambda f: f.__name__)
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
     dp, state, loader = make(4, hidden=256)  # chunks large enough that the damage lands inside array data
     with jddp.Checkpointer(tmp_path, save_every=3) as ckpt:
@@ -204,6 +205,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_every_checkpoint_damaged_starts_afresh_with_a_warning_and_keeps_them(tmp_path, uninterrupted):
     """No crash (a relaunch would crash again or start afresh anyway), nothing deleted, said loudly."""
     reference, consumed_ref = uninterrupted

@@ -129,6 +129,7 @@ STEPS = 3
 @given(st.integers(1, 4), st.integers(5, 20), st.integers(1, 6), st.booleans())
 @example(devices=3, batch=16, limit=2, drop_last=False)  # 3 devices x 3 micro-batches x 2 rows: 2 padding rows
 @example(devices=4, batch=14, limit=5, drop_last=True)
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_mlp_trains_as_plain_sgd_on_any_device_count(devices, batch, limit, drop_last):
     """Against NumPy: each step's loss and the parameters after STEPS steps (into the next epoch for the larger
     batches); compiling the step is most of the time, so one program per example."""
@@ -145,11 +146,13 @@ def test_mlp_trains_as_plain_sgd_on_any_device_count(devices, batch, limit, drop
 @given(st.integers(1, 4), st.sampled_from([12, 16]), st.integers(1, 6))
 @example(devices=3, batch=16, limit=2)
 @example(devices=1, batch=12, limit=5)  # one device, 3 micro-batches of 4 rows: the micro-batches' own draws
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_dropout_trains_as_one_device_on_any_device_count(devices, batch, limit):
     state, losses = train(*setup(devices, batch, limit, "dropout"), STEPS)
     assert_same_run((host(state), losses), one_device(batch, "dropout", False, STEPS))
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_a_checkpoint_of_4_devices_resumes_on_3_as_the_same_run(tmp_path):
     """The membership change: saved on 4 devices (2 micro-batches of 2 rows, no padding), continued on 3 (2 of 3
     rows, 2 padding rows); the losses are the uninterrupted 4-device run's."""

@@ -35,6 +35,7 @@ def train(dp, model, batches):
 
 
 @pytest.mark.parametrize("kind", list(models.FACTORIES), ids=list(models.FACTORIES))
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_equivalence_to_one_device_and_pmap(mesh, kind):
     model = models.FACTORIES[kind]()
     batches = [models.batch(64, seed) for seed in range(5)]
@@ -51,6 +52,7 @@ def test_equivalence_to_one_device_and_pmap(mesh, kind):
     assert max_diff(state.model_state, pmap_state) < 1e-6
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_gradient_is_not_summed_over_devices(mesh):
     """The gradient trap: without the varying cast the update is N times too large."""
     model = models.pytree()
@@ -144,6 +146,7 @@ def test_accumulate_steps_keeps_integer_model_state_that_every_device_computes_a
         assert int(states[1].model_state["calls"]) == 1 and int(states[2].model_state["calls"]) == 2
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_uneven_masks_give_exact_global_mean(mesh):
     model = models.pytree()
     # 8 devices x 8 rows: device 0 full, device 1 empty, the rest uneven.
@@ -370,6 +373,7 @@ def test_comm_report_moves_exactly_the_gradient_bytes(mesh, fuse):
     assert "all-reduce" in table and f"{allreduce.nbytes:,}" in table
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_fused_and_per_leaf_all_reduce_train_alike(mesh):
     """The fused buffer sums the same numbers: params equal the per-leaf path's (bf16 wire and BatchNorm too)."""
     for kind, wire in (("linen", None), ("pytree", jnp.bfloat16)):
@@ -433,6 +437,7 @@ def test_a_state_donated_while_a_numpy_view_holds_it_is_refused_not_run_again(me
     assert int(views.step) == 0
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_eval_step_exact_over_padded_batch(mesh):
     model = models.pytree()
     dp = jddp.DataParallel(model.loss_fn, optax.sgd(LR), mesh=mesh)

@@ -105,6 +105,7 @@ def test_eqx_loss_trains_in_training_mode_even_if_split_in_inference_mode():
     jddp.engine.replicas.assert_identical(state.model_state)
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_dropout_draws_new_masks_every_step_and_the_same_on_a_rerun():
     runs = []
     for _ in range(2):
@@ -117,6 +118,7 @@ def test_dropout_draws_new_masks_every_step_and_the_same_on_a_rerun():
     assert len(set(runs[0])) == 3 and runs[0] == runs[1]
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_eqx_eval_is_in_inference_mode_and_the_exported_model_predicts_what_it_measured():
     static, dp, state = setup(inference=False)
     for i in range(4):
@@ -135,6 +137,7 @@ def test_eqx_eval_is_in_inference_mode_and_the_exported_model_predicts_what_it_m
     np.testing.assert_allclose(np.asarray(half), np.asarray(logits)[:8], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_a_checkpoint_holds_the_equinox_state(tmp_path):
     _, dp, state = setup(inference=False)
     state, _ = dp.step(state, test_models.batch(N, seed=0))
@@ -194,6 +197,7 @@ def _train_with_jddp(fn):
     return models.to_host(state.params), losses
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_a_loss_without_state_trains_as_one_with_state_and_as_plain_jit_on_8_devices():
     """``fn(model, batch, key) -> loss``, ``-> (loss, metrics)`` and ``fn(model, state, batch, key) -> (loss, state,
     metrics)`` give the same steps on 8 devices as a plain ``eqx.filter_jit`` loop on one."""

@@ -76,6 +76,7 @@ def reference(params, batches, optimizer):
 @pytest.mark.parametrize(
     ("accumulate_steps", "shard_optimizer"), [(1, False), (3, False), (1, True), (2, True)], ids=str
 )
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_float64_params_train_in_float64_like_one_device(accumulate_steps, shard_optimizer):
     """ZeRO-1 too: on 3 devices ``b1`` (16) and ``w2`` (16 x 4) are zero-padded to 18 rows before they are split, and
     the momentum's slices, the reduce-scatter and the all-gather all stay float64."""

@@ -264,6 +264,7 @@ def run_of(records: list[dict]) -> list[str]:
     return [r["run"] for r in records]
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_a_second_fit_into_the_same_folder_is_a_new_run_with_its_own_account(tmp_path, capsys):
     fit_once(tmp_path, 6)
     after_first = logs.read_metrics(tmp_path / logs.METRICS_FILE)
@@ -293,6 +294,7 @@ def test_a_second_fit_into_the_same_folder_is_a_new_run_with_its_own_account(tmp
     assert goodput.main([str(tmp_path), "--run", "nope"]) == 2 and first in capsys.readouterr().out
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_a_resumed_checkpoint_continues_its_run_and_a_finished_one_starts_a_new_run(tmp_path, capsys):
     log, ckpt = tmp_path / "log", tmp_path / "ckpt"
     fit_once(log, 6, ckpt)

@@ -229,3 +229,20 @@ def test_names_shared_by_layers_that_may_not_import_each_other_agree():
     assert launch.SERVICE_READY.decode() == coordinator.READY
     assert launch.SERVICE_STOP_SIGNAL == coordinator.STOP_SIGNAL
     assert config.FINGERPRINT == digest.FINGERPRINT
+
+
+def test_contributing_names_every_module_and_its_layer_table_is_the_rule():
+    """CONTRIBUTING.md's map names every module of jddp/ by its path (a module added without a place in the map
+    fails here), and its layer table says what ``MAY_IMPORT`` enforces."""
+    text = (multiprocess.ROOT / "CONTRIBUTING.md").read_text()
+    missing = [
+        str(path.relative_to(multiprocess.ROOT))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if str(path.relative_to(multiprocess.ROOT)) not in text
+    ]
+    assert not missing, f"CONTRIBUTING.md's map does not name: {missing}"
+    rows = dict(re.findall(r"^\| (\w+)[^|]*\| ([^|]+) \|", text, re.M))
+    for name, allowed in MAY_IMPORT.items():
+        if name in ("package", "cli"):
+            continue
+        assert {w.strip() for w in rows[name].split(",")} == allowed, (name, rows[name], allowed)

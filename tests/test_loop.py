@@ -83,6 +83,7 @@ def assert_records_equal(got: list[dict], expected: list[dict]) -> None:
         assert {k: g[k] for k in numbers} == pytest.approx(numbers, rel=1e-12, abs=1e-15), (g["step"], g["split"])
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_logged_metrics_are_the_step_and_evaluate_metrics(tmp_path, capsys):
     """fit's records: the example-weighted means of dp.step's metrics over each window and each epoch (the last
     batch of an epoch holds 6 real examples of 16), the last step's, and dp.evaluate's results, for the same steps

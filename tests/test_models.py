@@ -67,6 +67,7 @@ def run(dp, state, steps: int = 3):
     return state, out
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_nnx_loss_trains_in_train_mode_even_if_split_in_eval_mode():
     _, dp, state = dropout_setup("eval")
     stats = models.to_host(state.model_state["bn"])
@@ -100,6 +101,7 @@ def eval_metrics(logits, batch):
     return {"loss": loss, **metrics}
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_two_dropout_layers_draw_different_masks_new_every_step_and_the_same_on_a_rerun():
     _, dp, state = dropout_setup("train")
     start = models.to_host(state.model_state)
@@ -140,6 +142,7 @@ def test_an_exported_nnx_model_predicts_what_eval_step_measured():
     assert not np.allclose(models.to_host(state.model_state["bn"]["mean"]), 0)  # it trained its statistics
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_an_exported_nnx_model_trains_again_eagerly_with_its_dropout_streams():
     """``nnx_module``'s model switched back to ``.train()`` and called eagerly: BatchNorm updates its statistics
     in place and Dropout draws from its stream, so the arrays must be the host's own (they were read-only views

@@ -129,6 +129,7 @@ def test_a_state_without_skipped_loads_as_none_skipped():
     assert s.skipped == [] and s.position_of_step(12) == 12
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_fit_skips_the_data_of_the_steps_asked_and_a_resume_repeats_the_decision(tmp_path, capsys):
     """fit(skip_steps=(10, 14)): steps 10+ train on the batches 5 positions later (recorded from the batches
     dp.step got), the skip is in the log and the loader state, and a run resumed from step 8 with the same

@@ -54,6 +54,7 @@ def test_a_one_ulp_change_in_one_replica_is_named(position):
         dp.check_replicas(state)
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_every_kind_of_leaf_is_checked():
     """Optimizer state, model state, the step counter and the rng key too."""
     dp, state = setup()

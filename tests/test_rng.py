@@ -27,6 +27,7 @@ def losses_on(n: int, make, rng: str = "example", steps: int = STEPS) -> list[fl
 
 
 @pytest.mark.parametrize("library", list(dropout_models.FACTORIES))
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_dropout_trains_alike_on_1_2_and_8_devices(library):
     """1 and 8 devices for every library; 2 (another slice of the same draws) for the first only: each layout is
     a compilation, the slowest part of this test."""
@@ -67,6 +68,7 @@ def test_two_processes_of_four_devices_and_a_resume_on_two_by_two_train_as_one_d
     assert np.max(np.abs(np.array(first + resumed["losses"]) - one)) < 1e-5
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_a_draw_inside_a_scan_under_accumulation_folds_the_micro_batch_index_into_the_key():
     """A per-example draw inside a ``lax.scan`` cannot read the micro-batch's place (a value of the engine's own
     scan): such a micro-batch draws with its index folded into the key, for its rows over the devices, as before

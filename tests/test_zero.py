@@ -201,6 +201,7 @@ def test_comm_report_reduce_scatter_and_all_gather_send_the_all_reduce_bytes(mes
     assert "reduce-scatter" in str(sharded) and "sent per device" in str(sharded)
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_checkpoint_restores_onto_two_devices_and_into_the_replicated_engine(mesh, tmp_path):
     """Saved split over 8 devices (padded leaves included); restored onto 2 devices and into the replicated
     engine; each continues the uninterrupted run's trajectory within 1e-6. And back: replicated to split."""
@@ -350,6 +351,7 @@ def test_two_processes_of_two_devices(mesh, tmp_path):
 
 
 @pytest.mark.parametrize("make", [models.pytree, models.odd], ids=["pytree", "odd"])
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_fused_buffers_train_alike_with_one_collective_each(mesh, make):
     """``fuse_allreduce`` (on by default across CPU processes): one reduce-scatter, one all-reduce (loss, counts,
     metrics and the partial squares of the norm) and one all-gather per step, whatever the number of leaves."""
@@ -428,6 +430,7 @@ def test_fused_scatter_and_gather_match_per_leaf_collectives(mesh):
     "name",
     ["adafactor", "lamb", "masked-weight-decay", "multi-steps"],
 )
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_optimizers_that_are_not_elementwise_train_alike(mesh, name):
     """The optimizer sees every leaf in its own shape: factored moments (Adafactor: row and column statistics,
     themselves split), per-leaf norms (LAMB's trust ratio), a decay mask keyed on ``ndim`` and optax's own

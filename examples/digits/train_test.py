@@ -10,6 +10,7 @@ from examples.digits import train
 from jddp import config as config_lib
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_trains_well_above_chance(tmp_path):
     config = config_lib.parse(train.Config, [], path=train.DEFAULT_CONFIG)
     config = dataclasses.replace(config, epochs=3, channels=8, learning_rate=1e-2, log_dir=str(tmp_path),

@@ -2,9 +2,12 @@
 resumed from its checkpoint ends exactly where an uninterrupted run does (parameters, data position, and the
 running means of steps 201-300, saved in the checkpoint at step 300)."""
 
+import pytest
+
 from examples.flax_port import train
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     straight = train.main(["--steps", "400"])
     assert straight["test_accuracy"] > 0.9  # chance is 0.1

@@ -22,6 +22,7 @@ def _corpus(root, files: int = 12) -> None:
         (root / name).write_text("".join(lines))
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_trains_on_a_small_corpus(tmp_path):
     _corpus(tmp_path)
     config = config_lib.parse(train.Config, [], path=train.DEFAULT_CONFIG)
@@ -86,6 +87,7 @@ def test_stdlib_split_is_by_file():
         data.documents(test_modulus=1)
 
 
+@pytest.mark.slow  # seconds of compiling and training: the full tier
 def test_model_computes_in_bfloat16_with_float32_params():
     import jax
     import jax.numpy as jnp
