@@ -497,3 +497,42 @@ def test_a_state_of_the_same_structure_with_another_shape_or_dtype_gets_its_own_
     assert restored["w"].dtype == second["w"].dtype
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(second["w"]))
     snaps.close(remove=True)
+
+
+class DeviceBuffer:
+    """A packed snapshot buffer as it is on an accelerator: in device memory, copied to the host when asked."""
+
+    def __init__(self, buffer, started: list) -> None:
+        self.buffer, self.started = buffer, started
+
+    def devices(self):
+        return {type("Device", (), {"platform": "cuda"})()}
+
+    def copy_to_host_async(self) -> None:
+        self.started.append(True)
+
+    def __array__(self, dtype=None, copy=None):
+        assert self.started, "the writer read a device buffer whose copy to the host was never started"
+        return np.asarray(self.buffer)
+
+
+def test_on_an_accelerator_the_copy_to_host_starts_at_the_snapshot_and_the_file_is_the_same(tmp_path, monkeypatch):
+    """The buffer of a device's shards is copied to the host asynchronously from the main thread (started where
+    the snapshot is taken, waited for by the writer thread); on CPU nothing is copied (a view). The file is the
+    same either way."""
+    snaps = snapshot.Snapshots(tmp_path / "cpu", tmp_path / "ck1", fingerprint=None, budget=0.01)
+    write(snaps, 3)
+    on_cpu = data_of(snaps.folder / f"3{snapshot.SUFFIX}")
+    started: list = []
+    pack = snapshot.snapshot_format.pack
+    monkeypatch.setattr(snapshot.snapshot_format, "pack", lambda parts: DeviceBuffer(pack(parts), started))
+    snaps = snapshot.Snapshots(tmp_path / "gpu", tmp_path / "ck2", fingerprint=None, budget=0.01)
+    write(snaps, 3)
+    assert started and data_of(snaps.folder / f"3{snapshot.SUFFIX}") == on_cpu
+
+
+def data_of(path) -> bytes:
+    """A snapshot file's bytes after its header (which holds the time it was written)."""
+    raw = path.read_bytes()
+    header = snapshot.snapshot_format.HEADER_LENGTH
+    return raw[header.size + header.unpack_from(raw)[0] :]
