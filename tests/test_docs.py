@@ -223,6 +223,12 @@ SKIPPED_COMMANDS = {
     "srun -N 1 -w node3 jddp launch --nnodes 2:3 --coordinator node1:29500 -n 1 train.py": (
         "needs a SLURM cluster of three nodes: tests/test_slurm_hosts.py runs it with tests/workers/fit_train.py"
     ),
+    "jddp launch train.py": "needs a GPU or TPU host (tests/test_placement.py checks what each process gets)",
+    "jddp launch -n host train.py": "needs a GPU host (tests/test_placement.py checks what each process gets)",
+    "jddp launch -n 4 train.py": "needs a host of 4 or 8 GPUs (tests/test_placement.py checks the placement)",
+    "srun -N 2 --ntasks-per-node=1 jddp launch --nnodes 2 --node-rank '$SLURM_NODEID' --coordinator node1:29500 "
+    "train.py": "needs a SLURM cluster of GPU hosts",
+    "srun -N 2 --ntasks-per-node=8 --gpus-per-task=1 python train.py": "needs a SLURM cluster of GPU hosts",
     "jddp launch --nnodes 2:3 --coordinator 10.0.0.1:29500 -n 4 train.py": (
         "needs the hosts and the address 10.0.0.1; tests/test_elastic.py runs three launchers on loopback"
     ),
