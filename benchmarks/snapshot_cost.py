@@ -24,8 +24,8 @@ cost (the threads' time, and the wall time they add to the ``AFTER`` steps after
 snapshot the blocks show (the median extra time of an on block over its off block, over the snapshots taken in on
 blocks), then over every block pair the median on/off ratio and the ratio of the on blocks' total time to the
 off blocks' (what a run pays), each with its 95% bootstrap interval. ``--budget`` sets ``snapshot_budget``,
-``--after`` ``jddp.checkpoint.snapshot_interval.AFTER``, to compare settings. ``--out FILE`` adds the run's block pairs to
-a JSON file; ``--pooled FILE`` prints the two statistics over every pair saved there, runs pooled.
+``--after`` ``jddp.checkpoint.snapshot_interval.AFTER``, to compare settings. ``--out FILE`` adds the run's block
+pairs to a JSON file; ``--pooled FILE`` prints the two statistics over every pair saved there, runs pooled.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ from jddp.runtime import jax_internals
 def moved(function: str, what: str) -> str:
     return (
         f"jax {jax.__version__}: `jddp.runtime.jax_internals.{function}` relies on {what}, which this JAX does not "
-        "have any more. Find its new home in JAX's source and update that function (and the pin `jax<0.11`)."
+        "have any more. Find its new home in JAX's source and update that function (and the range `jax<0.13` in "
+        "pyproject.toml)."
     )
 
 
@@ -130,3 +132,79 @@ def test_cache_writes_from_every_process():
         "jax._src.compiler._cache_write moved or changed its arguments; see its docstring for why jddp replaces it"
     )
     # the behaviour: tests/test_compile_cache.py::test_a_second_run_reaches_its_first_step_without_compiling[2]
+
+
+class FlatTree:
+    """A scan's ``ft_in`` as jax 0.11 and later give it: ``unpack()`` to (consts, carry, xs)."""
+
+    def __init__(self, *parts) -> None:
+        self.parts = parts
+
+    def unpack(self):
+        return self.parts
+
+
+def test_scan_counts_reads_both_spellings_of_a_scan_and_names_the_version_when_neither_fits():
+    """jax 0.10's scan params (num_consts, num_carry) and 0.11's FlatTree (ft_in), as the review found them; and the
+    live one of this JAX, from a traced scan."""
+    assert jax_internals.scan_counts({"num_consts": 2, "num_carry": 3, "jaxpr": None}) == (2, 3)
+    assert jax_internals.scan_counts({"ft_in": FlatTree((1, 2), (3,), (4, 5, 6)), "ft_out": None}) == (2, 1)
+    with pytest.raises(jax_internals.JaxInternalsError, match=rf"jax {jax.__version__} .*scan_counts found none"):
+        jax_internals.scan_counts({"length": 4})
+    c = jnp.ones(3)
+    jaxpr = jax.make_jaxpr(lambda x: jax.lax.scan(lambda h, y: (h + y * c, h), jnp.zeros(3), x))(jnp.ones((4, 3)))
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert jax_internals.scan_counts(eqn.params) == (1, 1), moved("scan_counts", "the scan's params")
+
+
+def test_a_private_api_that_moved_is_named_with_the_jax_version():
+    with pytest.raises(jax_internals.JaxInternalsError, match=rf"jax {jax.__version__} \(jaxlib .*\): .*f found none"):
+        jax_internals._require("f", "jax._src.no_such_module:thing", "jax._src.xla_bridge:no_such_function")
+    assert jax_internals._lookup("jax._src.no_such_module:x", "jax._src.xla_bridge:backends_are_initialized") is (
+        private("jax._src.xla_bridge", "backends_are_initialized")
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        (
+            "f(address: str, num_nodes: int, heartbeat_timeout: int | None = None, shutdown_timeout=None) -> S",
+            {"address", "num_nodes", "heartbeat_timeout", "shutdown_timeout"},
+        ),
+        ("g(a: dict[str, tuple[int, int]] = {}, *, b: Callable[[int, str], None], **kw) -> None", {"a", "b", "kw"}),
+    ],
+    ids=["plain", "nested-brackets"],
+)
+def test_the_parameters_of_a_nanobind_function_are_read_from_its_signature_text(text, names):
+    """``inspect.signature`` refuses nanobind functions (jaxlib's): their names come from ``__nb_signature__``."""
+
+    class Nanobind:
+        __nb_signature__ = ((text, None, None),)
+        __signature__ = property(lambda self: (_ for _ in ()).throw(ValueError("not supported by signature")))
+
+        def __call__(self, *args, **kwargs):
+            return None
+
+    assert jax_internals._parameters(Nanobind()) == names
+
+
+def test_cache_write_replacements_follow_either_signature(monkeypatch):
+    """jax 0.10's ``_cache_write`` had a host_callbacks argument, 0.11's has not: the replacement takes the one it
+    finds, and an unknown one is left alone (False)."""
+    compiler = importlib.import_module("jax._src.compiler")
+
+    def five(cache_key, compile_time_secs, module_name, backend, executable):
+        return None
+
+    def six(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        return None
+
+    def other(cache_key, module_name):
+        return None
+
+    for fn, installed in ((five, True), (six, True), (other, False)):
+        monkeypatch.setattr(compiler, "_cache_write", fn)
+        assert jax_internals.cache_writes_from_every_process() is installed, fn.__name__
+        if installed:
+            assert list(inspect.signature(compiler._cache_write).parameters) == list(inspect.signature(fn).parameters)

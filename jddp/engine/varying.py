@@ -38,6 +38,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 
 from jddp import runtime
+from jddp.runtime import jax_internals
 
 DATA = runtime.DATA_AXIS
 
@@ -134,7 +135,7 @@ def _closed(sub, ins: list[bool], axis: str) -> list[bool]:
 
 
 def _scan(params, ins: list[bool], axis: str) -> list[bool]:
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = jax_internals.scan_counts(params)  # jax 0.11 moved them into a FlatTree
     consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
     while True:  # the carry's flags only grow: at most n_carry + 1 rounds
         outs = _closed(params["jaxpr"], consts + carry + xs, axis)
