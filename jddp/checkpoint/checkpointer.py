@@ -202,7 +202,26 @@ class Checkpointer:
         except BaseException:
             self._give_back_lease()
             raise
-        storage.OrbaxErrorLogs.hold()
+        try:
+            self._start_workers(async_save, snapshot_root, snapshots, snapshot_budget, snapshot_every,
+                                preemption_check_s)  # fmt: skip
+        except BaseException:  # refused (a snapshot directory that cannot be made, SIGTERM off the main thread)
+            self._undo_start()
+            raise
+        storage.OrbaxErrorLogs.hold()  # released by close
+
+    def _undo_start(self) -> None:
+        """What ``_start`` took, given back, so that the same call with corrected arguments succeeds in this process
+        (a notebook): the writer threads, Orbax's manager, the lease."""
+        for pool in (self._writer, self._snapshots._writer if self._snapshots is not None else None):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._writer = self._snapshots = None
+        self._manager.close()
+        self._give_back_lease()
+
+    def _start_workers(self, async_save, snapshot_root, snapshots, snapshot_budget, snapshot_every, check_s) -> None:
+        read_only = self.read_only
         # Alone on CPU, Orbax's blocking part of an async save (an event loop, several threads started, the
         # copy as views) runs in this thread while training goes on; the caller only pins the buffers.
         if async_save and not read_only and jax.process_count() == 1:
@@ -218,7 +237,7 @@ class Checkpointer:
                 every=snapshot_every if snapshot_every is not None else envvars.get("JDDP_SNAPSHOT_EVERY"),
             )
         # A reader never saves, so it leaves SIGTERM alone.
-        self._preemption = None if read_only else preemption.Preemption(preemption_check_s)
+        self._preemption = None if read_only else preemption.Preemption(check_s)
         # A script that ends without close() (torch.save habits): its last async save would die with the
         # interpreter, and the lease stay behind. At exit, it is finished and the Checkpointer closed: among
         # threading's exit hooks, which run before concurrent.futures refuses new work at shutdown (Orbax's
