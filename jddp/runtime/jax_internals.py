@@ -282,8 +282,13 @@ def varying_axes(x) -> frozenset:
 def make_cache_writes_atomic() -> bool:
     """Makes JAX's persistent compilation cache write each entry atomically (a temporary file, then a rename).
 
-    (Unchanged rationale; see the original docstring.) Returns False (and changes nothing) when this JAX's cache is
-    not the one expected. Leaves non-local caches (``etils.epath``, e.g. gs://) to JAX: ``os.replace`` is local only.
+    JAX's ``LRUCache.put`` (jax 0.10 to 0.12, without a size limit) writes the entry in place with
+    ``Path.write_bytes`` and never rewrites an entry that exists. A process killed in the middle of that write
+    (a SIGKILL during the first compile is an ordinary way for a run to end) leaves a truncated entry that every
+    later run fails to read, warns about, recompiles and cannot replace; two processes of one group writing the
+    same entry can also let a third read it half written. Returns False (and changes nothing) when this JAX's
+    cache is not the one expected. Leaves non-local caches (``etils.epath``, e.g. gs://) to JAX: ``os.replace`` is
+    local only.
     """
     import os
 
@@ -340,7 +345,11 @@ def cache_writes_from_every_process() -> bool:
     """Lets every process of a group write its compiled programs to the persistent compilation cache.
 
     JAX (0.10 to 0.12 at least) writes cache entries from process 0 only (``compiler._cache_write``: "contention for
-    writes on some filesystems"). The replacement is JAX's own function without that one test. jax 0.11.0 dropped its
+    writes on some filesystems"). On CPU the other processes' programs have keys of their own (measured: process 1
+    of 2 found none of its 10 programs after a run), so without this a restarted group waits for every other
+    process to compile from scratch, and process 0's cache saves nothing. The replacement is JAX's own function
+    without that one test; entries are written atomically (``make_cache_writes_atomic``), so processes that do share
+    a key cannot corrupt it. jax 0.11.0 dropped its
     ``host_callbacks`` argument (such programs are now cacheable: the callbacks are part of the key and are passed to
     ``deserialize_executable``), so the replacement takes whichever of the two argument lists this JAX calls it with.
     Returns False (and changes nothing) when this JAX's function is neither.
@@ -403,8 +412,16 @@ def cache_writes_from_every_process() -> bool:
 
 
 def ffi_sum_primitive(name: str, target: str, attributes):
-    """(Docstring unchanged.) A primitive that sums each operand over a mesh axis through the FFI custom call
-    ``target``, with psum's abstract evaluation and a token chain in its CPU lowering."""
+    """A primitive that sums each of its operands over a mesh axis through the FFI custom call ``target`` (an
+    external library's collective, such as MPI's allreduce of mpi4jax), for use inside ``shard_map``.
+
+    ``bind(*operands, axis_name=..., **params)``: one call of ``target`` per operand, with side effects, each
+    taking and returning a token chained from the previous call (made in the lowering), with the attributes
+    ``attributes(aval, **params)``. Its abstract evaluation is ``lax.psum``'s: the results are invariant over
+    ``axis_name``. Public JAX offers only ordered effects for such calls (mpi4jax's own primitives), which JAX
+    refuses in any program of more than one device, as a multi-process step is; the token chain keeps the calls
+    in one order on every process instead.
+    """
     Primitive = _require("ffi_sum_primitive", "jax.extend.core:Primitive", "jax._src.core:Primitive")
     NamedAxisEffect = _require("ffi_sum_primitive", "jax._src.core:NamedAxisEffect")
     abstract_token = _require("ffi_sum_primitive", "jax._src.core:abstract_token")
