@@ -22,7 +22,8 @@ RUN_FILE = "run.json"  # in each run's folder: {"run": id, "created": time, "lau
 
 
 def new_run_id() -> str:
-    """A new run's id: its start in UTC and 4 random hex digits (sorts by start)."""
+    """A new run's id: its start in UTC and 4 random hex digits (sorts by start to the second; ``runs`` orders by
+    ``run.json``'s creation time, which tells apart two runs started within one second)."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
 
 

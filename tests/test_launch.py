@@ -213,7 +213,11 @@ def test_every_socket_of_a_local_run_is_on_loopback():
 
 def test_launcher_rejects_bad_arguments_before_starting_anything():
     done = multiprocess.launch("-n", "0", GROUP, "hello")
-    assert done.returncode == 2 and "argument -n/--nprocs: must be an integer of at least 1, got '0'" in done.stderr
+    assert (
+        done.returncode == 2
+        and "argument -n/--nprocs/--nproc-per-node: must be auto, device, host or an integer of at least 1, got '0'"
+        in done.stderr
+    )
     done = multiprocess.launch("--peer-timeout", "inf", GROUP, "hello")  # every process crashed on it
     assert done.returncode == 2
     assert "argument --peer-timeout: must be positive and finite: a number of seconds, got 'inf'" in done.stderr
