@@ -33,15 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "jddp launch -n 2 --devices-per-process 4 -m examples.mnist1d.train config=configs/mnist1d_cnn.yaml"
 
 
-def _cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    found = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    return found[1].strip() if found else "unknown"
-
-
 def _result(stdout: str) -> dict:
     """The example's ``result: k=v ...`` line as a dict of numbers."""
     line = next((x for x in stdout.splitlines() if "result: " in x), None)
@@ -78,7 +69,7 @@ def bench(args: argparse.Namespace) -> Any:
         "result": _result(done.stdout),
         "date": datetime.datetime.now(datetime.UTC).strftime("%d %b %Y"),
         "commit": commit.stdout.strip(),
-        "machine": {"cores": os.cpu_count(), "cpu": _cpu_model()},
+        "machine": {"cores": os.cpu_count(), "cpu": harness.cpu_model()},
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
     }

@@ -162,3 +162,30 @@ def test_quick_benchmarks_write_the_schema(name, tmp_path):
     assert tuple(record) == harness.SCHEMA
     assert record["benchmark"] == name and "?" in record["question"]
     assert record["results"], record
+
+
+@pytest.mark.slow  # reads the standard library twice: seconds
+def test_the_benchmarks_lm_is_the_lm_example():
+    """benchmarks/lm.py copies the LM example's model, loss and windows (benchmarks never import the examples): the
+    same parameters from the same seed, the same loss on the same batch, the same training windows."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import jddp
+    from benchmarks import lm
+    from examples.lm import data, model, train
+
+    config = lm.Config()
+    sizes = {"d_model": config.d_model, "heads": config.heads, "layers": config.layers, "mlp_ratio": config.mlp_ratio}
+    theirs = model.Transformer(seq_len=config.seq_len, **sizes, rngs=nnx.Rngs(config.seed))
+    mine = lm.Transformer(config, rngs=nnx.Rngs(config.seed))
+    for a, b in zip(jax.tree.leaves(nnx.state(mine)), jax.tree.leaves(nnx.state(theirs)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    windows = lm.train_windows(config)
+    expected = data.load(config.seq_len, test_modulus=config.test_modulus)["train"]
+    assert all(np.array_equal(windows[k], expected[k]) for k in ("tokens", "weights"))
+    batch = {k: v[:8] for k, v in windows.items()}
+    ours, _ = lm.loss(mine, batch, jax.random.key(0))
+    example, _ = train.language_model_metrics(train.forward(theirs, batch), batch)
+    assert isinstance(ours, jddp.Weighted) and float(ours.total) == float(example.total)
