@@ -21,6 +21,15 @@ Examples::
     # elastic: 2 to 3 hosts, the same line on each (the first started on 10.0.0.1 is node 0)
     jddp launch -n 4 --nnodes 2:3 --coordinator 10.0.0.1:29500 train.py
 
+    # a GPU host: one process per GPU (-n auto, the default), or one owning them all (-n host)
+    jddp launch train.py
+
+Placement (``jddp.placement``): ``-n`` is a count, or ``auto`` (the default: one process per GPU on a GPU
+host, one process on a TPU or CPU host), ``device`` or ``host``. The launcher reads the host's accelerators without
+starting JAX and gives each process its own through the driver (``CUDA_VISIBLE_DEVICES``,
+``HIP_VISIBLE_DEVICES``), with ``JDDP_PLATFORM`` and ``JDDP_DEVICES``. On an accelerator the CPU-only defaults are
+off: the allocator settings below, gloo, ``--cpu-share`` (refused) and standby processes (spares stay).
+
 What each process gets: the environment variables ``JDDP_COORDINATOR``
 (``host:port``), ``JDDP_NUM_PROCESSES`` (``nnodes * nprocs``),
 ``JDDP_PROCESS_ID`` (``node_rank * nprocs + local rank``), ``JDDP_LOCAL_RANK``,
@@ -40,7 +49,7 @@ launcher keeps the service up ``peer timeout + 5`` seconds more, so that the
 other nodes' processes find the failed one and name it. With ``--nnodes > 1``
 node 0's launcher also listens on the coordinator's port + 1, where the other
 launchers report a failed attempt (``jddp.cli.reports``): a process frozen on
-node 0 would otherwise never learn that the group ended elsewhere. Unless
+node 0 would otherwise never learn that the group ended elsewhere. On a CPU host, unless
 ``GLIBC_TUNABLES`` is already set, workers get glibc allocator settings that
 keep freed memory mapped (``--no-malloc-tuning`` turns this off); XLA:CPU
 allocates fresh buffers for every collective, and this setting made gloo
