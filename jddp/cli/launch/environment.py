@@ -44,7 +44,7 @@ def base_environment(config: config_lib.LaunchConfig) -> dict[str, str]:
     """Our environment plus what every process gets whatever its role: what a spare starts with.
 
     The allocator settings only on a CPU host: there XLA:CPU's all-reduce allocates fresh buffers every call and
-    glibc maps new memory for each (JAX_NOTES in the docs: +35 to 45% all-reduce bandwidth at 32 to 64 MiB with
+    glibc maps new memory for each (docs/jax_notes.md: +35 to 45% all-reduce bandwidth at 32 to 64 MiB with
     them). On an accelerator the gradients never pass through the host's heap, and a 16 GiB trim threshold would
     only keep freed host memory (the data pipeline's) from going back."""
     env = dict(os.environ)
