@@ -369,17 +369,21 @@ class Launcher:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.notes.mark_teardown()
-            self.group.draining += self.spares.discard()
-            if self.services.adopt_next() is not None:  # started for a restart that did not come
-                self.services.stop(wait=False)
-            self.services.join()
-            for thread in self.group.draining:
-                thread.join(timeout=10)
-            self.group.close()
-            self.notes.remove()
-            self.snapshot_dir.close()
-            self.nodes.close()
+            try:
+                self.group.draining += self.spares.discard()
+                if self.services.adopt_next() is not None:  # started for a restart that did not come
+                    self.services.stop(wait=False)
+                self.services.join()
+                for thread in self.group.draining:
+                    thread.join(timeout=10)
+                self.group.close()
+            finally:
+                # The run's account ends here (goodput's teardown): after the spares, the services and the output
+                # threads are stopped, which took about a second of the launcher's wall time that no account saw.
+                self.notes.mark_teardown()
+                self.notes.remove()
+                self.snapshot_dir.close()
+                self.nodes.close()
 
 
 def launch(config: config_lib.LaunchConfig) -> int:
