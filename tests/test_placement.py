@@ -271,3 +271,22 @@ def test_the_topology_line_names_the_devices_of_the_process_that_prints_it():
         "(driver ids 0,1,2,3,4,5,6,7)"
     )
     assert topology.describe(8, "tpu", 1, [0, 1, 2, 3, 4, 5, 6, 7], None).endswith("holds devices 0,1,2,3,4,5,6,7")
+
+
+@pytest.mark.parametrize(
+    ("inv", "gloo"),
+    [
+        (GPUS8, False),
+        (Inventory("tpu", ("0", "1", "2", "3")), False),
+        (Inventory("rocm", ("0",)), False),
+        (Inventory("cpu"), True),
+    ],
+    ids=["8-gpus", "tpu", "rocm", "cpu"],
+)
+def test_gloo_is_set_up_only_for_the_cpu_hosts_processes(inv, gloo):
+    """The launcher's environment read back by ``initialize``'s backend setup: gloo on a CPU host, not on an
+    accelerator host (its collectives are NCCL's or the TPU's)."""
+    from jddp.runtime import distributed
+
+    _, envs = launch_environments([], inv)
+    assert distributed.uses_gloo(None, None, envs[0]["JDDP_PLATFORM"]) is gloo

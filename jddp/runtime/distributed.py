@@ -191,12 +191,24 @@ def _prepare_backend(settings: join_settings.Settings) -> None:
         )
     if settings.local_devices is not None:
         mesh.simulate_cpu_devices(settings.local_devices)
-    # gloo carries collectives between processes' CPU devices only; on a host whose accelerators jddp launch placed
-    # the processes on (JDDP_PLATFORM), the collectives are the accelerator's (NCCL, ICI) and the CPU has none.
-    on_accelerator = envvars.get("JDDP_PLATFORM") in ("cuda", "rocm", "tpu") and settings.local_devices is None
-    cpu = jax.config.jax_platforms in (None, "", "cpu") or settings.local_devices is not None  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
-    if cpu and not on_accelerator:
+    platforms = jax.config.jax_platforms  # pyright: ignore[reportAttributeAccessIssue]  # jax.config's options are dynamic attributes
+    if uses_gloo(platforms, settings.local_devices, envvars.get("JDDP_PLATFORM")):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def uses_gloo(jax_platforms: str | None, local_devices: int | None, launched_on: str | None) -> bool:
+    """Whether this process's collectives are gloo's: on CPU devices (simulated, or JAX's platform unset or cpu),
+    but not under ``jddp launch`` on an accelerator host (``$JDDP_PLATFORM``): gloo carries collectives between CPU
+    devices only, and there they are the accelerator's (NCCL, the TPU interconnect).
+
+    >>> uses_gloo(None, None, None), uses_gloo(None, None, "cuda"), uses_gloo(None, 4, "cuda")
+    (True, False, True)
+    >>> uses_gloo("cuda", None, None)
+    False
+    """
+    if local_devices is not None:  # simulated CPU devices: CPU whatever the host has
+        return True
+    return jax_platforms in (None, "", "cpu") and launched_on not in ("cuda", "rocm", "tpu")
 
 
 def _join(settings: join_settings.Settings, shutdown_timeout_s: float) -> str | None:
