@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from jddp._version import __version__
+from jddp import process_start as _process_start  # noqa: F401  (its IMPORTED_AT: when jddp was first imported)
 
 _EXPORTS = {
     "DATA_AXIS": "jddp.runtime",

@@ -37,8 +37,9 @@ with the goodput over the span that includes it; ``fit`` ends before it.
 
 * ``startup_s``: from the attempt's start to ``fit``: the interpreter, imports,
   ``jddp.initialize``, building the model. The start is the launcher's
-  (``$JDDP_ATTEMPT_START``), else when ``jddp`` was first imported (or, for a
-  second ``fit`` in one process, the first one's end).
+  (``$JDDP_ATTEMPT_START``), else the process's own start (``jddp.process_start``:
+  the kernel's record; in a REPL or notebook, when ``jddp`` was first imported),
+  or, for a second ``fit`` in one process, the first one's end.
 * ``restore_s``: ``restore_or_init``. ``compile_s``: the first step.
 * ``step_s``: training steps, the productive time (less ``recomputed_s``).
 * ``data_wait_s``, ``checkpoint_s`` (blocking time of saves), ``eval_s``.

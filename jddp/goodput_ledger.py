@@ -16,7 +16,7 @@ import struct
 import time
 from pathlib import Path
 
-from jddp import envvars, goodput_accounts, run_ids
+from jddp import envvars, goodput_accounts, process_start, run_ids
 
 # The ledger file's float64 slots, in file order.
 SLOTS = (
@@ -41,7 +41,7 @@ SLOTS = (
 _ADDED_SLOTS = ("restored_from", "processes", "nodes", "round")
 # Where an attempt's state came from (the "restored_from" slot): jddp.Checkpointer.restored_from.
 RESTORED_FROM = ("none", "disk", "memory", "peer")
-_IMPORTED_AT = time.time()  # this process's start, as near as jddp can tell without a launcher
+_PROCESS_START = process_start.started()  # this process's start (jddp.process_start), without a launcher's
 _last_fit_end: float | None = None  # a second fit in the same process starts its attempt here
 
 
@@ -80,7 +80,7 @@ class Ledger:
         self.path = directory / f"attempt-{self.index:04d}.ledger"
         now = time.time()
         fit_start = now if fit_start is None else min(fit_start, now)
-        start = _last_fit_end if _last_fit_end is not None else _env_time("JDDP_ATTEMPT_START") or _IMPORTED_AT
+        start = _last_fit_end if _last_fit_end is not None else _env_time("JDDP_ATTEMPT_START") or _PROCESS_START
         previous_end = _env_time("JDDP_PREVIOUS_END") if _last_fit_end is None else None
         values: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
         values["attempt_start"], values["fit_start"], values["last_update"] = min(start, fit_start), fit_start, now
