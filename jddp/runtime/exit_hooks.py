@@ -2,7 +2,8 @@
 
 ``sys.excepthook`` marks this process FAILED (after giving the watchdog time to name a lost peer when a collective
 failed first); an ``atexit`` hook marks it DONE and waits for every peer to finish; a hook among threading's own
-ends a FAILED process before Python joins threads that wait for its peers. ``jddp.runtime.watchdog.start``
+ends a FAILED process before Python joins threads that wait for its peers; under ``jddp launch``, the launcher's
+``FLUSH_SIGNAL`` before a restart's SIGKILL flushes and exits (``jddp.runtime.flush``). ``jddp.runtime.watchdog.start``
 installs them with the watchdog (``peer_wait.WATCHDOG``).
 """
 
@@ -15,7 +16,7 @@ import sys
 import threading
 import time
 
-from jddp.runtime import heartbeats, peer_wait
+from jddp.runtime import flush, heartbeats, peer_wait
 
 # Python's hook list for what must run at shutdown before non-daemon threads are joined and before
 # concurrent.futures refuses new work (its own shutdown is one of them; newest first). A private name of the
@@ -55,6 +56,8 @@ def install() -> None:
     # an async save, at a barrier the peers that exited 69 never reach): Python joins those threads before the
     # atexit hooks run, so this exit path is among threading's own hooks, which run first.
     at_shutdown(_exit_if_failed)
+    # Under jddp launch: a restart's SIGUSR2 flushes the script's files, logging and stdout before the SIGKILL.
+    flush.install()
 
 
 def is_collective_failure(error: BaseException) -> bool:

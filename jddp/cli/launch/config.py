@@ -95,6 +95,14 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         help="after a failure, seconds between SIGTERM and SIGKILL for the others (default 3)",
     )
     parser.add_argument(
+        "--flush-grace",
+        type=envvars.seconds(),
+        default=1.0,
+        metavar="S",
+        help="before a restart kills the surviving processes: seconds between the flush signal (SIGUSR2: they write "
+        "out their buffered files, logs and stdout, see jddp.runtime.flush) and SIGKILL (default 1)",
+    )
+    parser.add_argument(
         "--term-timeout",
         type=envvars.seconds(),
         default=30.0,
@@ -173,6 +181,7 @@ class LaunchConfig:
     monitor_interval: float = 0.2  # seconds between checks
     kill_grace: float = 3.0  # after a failure, seconds between SIGTERM and SIGKILL for the others
     term_timeout: float = 30.0  # after a forwarded signal, seconds the processes get before SIGKILL
+    flush_grace: float = 1.0  # seconds between the flush signal and SIGKILL (jddp.runtime.flush)
     peer_timeout: float | None = None  # seconds before a silent peer counts as dead (JDDP_PEER_TIMEOUT)
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
     cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
@@ -236,7 +245,15 @@ class LaunchConfig:
                 )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
-        for name in ("monitor_interval", "kill_grace", "term_timeout", "peer_timeout", "join_timeout", "join_wait"):
+        for name in (
+            "monitor_interval",
+            "kill_grace",
+            "term_timeout",
+            "flush_grace",
+            "peer_timeout",
+            "join_timeout",
+            "join_wait",
+        ):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 flag = name.replace("_", "-")

@@ -48,7 +48,7 @@ class Launcher:
         self.previous_end: float | None = None
         self.attempt = 0
         self.prepared = False  # this attempt's spares and next service started
-        self.group = workers.WorkerGroup(self.output)
+        self.group = workers.WorkerGroup(self.output, config.flush_grace)
         self.services = service.ServiceManager(config)
         self.nodes = nodes.Nodes(config, self.output)
         self.notes = notes.NoteDir()

@@ -16,6 +16,8 @@ import time
 from jddp.cli import output
 from jddp.cli.launch import environment
 
+FLUSH_SIGNAL = signal.SIGUSR2  # jddp.runtime.flush.FLUSH_SIGNAL: the processes write out their buffers and exit
+
 
 def pidfd(pid: int) -> int | None:
     """A descriptor that becomes readable when process ``pid`` ends (Linux 5.3+), or None."""
@@ -83,8 +85,9 @@ def spawn(
 class WorkerGroup:
     """The processes of this node's current attempt, and the output readers of those stopped before it."""
 
-    def __init__(self, out: output.Output) -> None:
+    def __init__(self, out: output.Output, flush_grace: float = 1.0) -> None:
         self.output = out
+        self.flush_grace = flush_grace  # --flush-grace: between FLUSH_SIGNAL and SIGKILL (``kill``)
         self.workers: list[Worker] = []
         self.draining: list[threading.Thread] = []  # output readers of a stopped group, joined at the end
 
@@ -123,27 +126,38 @@ class WorkerGroup:
             poller.register(fd, select.POLLIN)
         poller.poll(seconds * 1000)
 
+    def kill(self) -> None:
+        """Ends every process still running: ``FLUSH_SIGNAL`` (each flushes its files, logs and stdout and exits:
+        ``jddp.runtime.flush``), then SIGKILL to those still running ``flush_grace`` seconds later (a process stopped,
+        holding the GIL, or whose flush hangs); returns once they ended (30 s at most after the SIGKILL)."""
+        self.poll()
+        if all(w.code is not None for w in self.workers):
+            return
+        self.signal_all(FLUSH_SIGNAL)
+        self.wait_all(self.flush_grace)
+        self.signal_all(signal.SIGKILL)
+        self.wait_all(30)
+
     def stop_all(self, grace: float) -> None:
-        """SIGTERM, then SIGKILL after ``grace`` seconds, to every process still running."""
+        """SIGTERM, then after ``grace`` seconds the flush signal and SIGKILL (``kill``), to every process still
+        running."""
         self.poll()
         for w in self.workers:
             w.unresponsive = w.code is None
         self.signal_all(signal.SIGTERM)
         if not self.wait_all(grace):
-            self.signal_all(signal.SIGKILL)
-            self.wait_all(30)
+            self.kill()
         self.finish_output()
 
     def stop_for_restart(self) -> None:
         """A restart follows: the others' end can tell nothing the launcher does not know already, and waiting for
-        them to notice (the peer timeout) is downtime. SIGKILL, not SIGTERM: a SIGTERM is a preemption, whose save
-        needs the process that is gone. A kill never damages a published checkpoint; a save in flight is cleaned up
-        when the next attempt opens the directory."""
+        them to notice (the peer timeout) is downtime. The flush signal, then SIGKILL (``kill``), not SIGTERM: a
+        SIGTERM is a preemption, whose save needs the process that is gone. A kill never damages a published
+        checkpoint; a save in flight is cleaned up when the next attempt opens the directory."""
         self.poll()
         for w in self.workers:
             w.stopped_for_restart = w.code is None
-        self.signal_all(signal.SIGKILL)
-        self.wait_all(30)
+        self.kill()
         self.finish_output(wait=False)
 
     def stop_after_signal(self, signum: int, timeout: float) -> None:
@@ -152,8 +166,7 @@ class WorkerGroup:
         self.signal_all(signum)  # processes started while the signal arrived get it too
         if not self.wait_all(timeout):
             self.output.say(f"processes still running {timeout:g} s after the signal: SIGKILL")
-            self.signal_all(signal.SIGKILL)
-            self.wait_all(30)
+            self.kill()
         self.finish_output()
 
     def stop_silent(self, silent: set[int], by: str) -> None:
