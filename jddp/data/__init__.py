@@ -10,13 +10,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
+    "Buckets": "jddp.data.buckets",
     "DataLoader": "jddp.data.loader",
     "DtypeWarning": "jddp.data.fields",
     "DistributedBatchSampler": "jddp.data.sampler",
     "LocalBatch": "jddp.data.sampler",
 }
 
-__all__ = ["DataLoader", "DistributedBatchSampler", "DtypeWarning", "LocalBatch"]
+__all__ = ["Buckets", "DataLoader", "DistributedBatchSampler", "DtypeWarning", "LocalBatch"]
 
 
 def __getattr__(name: str):
@@ -32,6 +33,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from jddp.data.buckets import Buckets
     from jddp.data.fields import DtypeWarning
     from jddp.data.loader import DataLoader
     from jddp.data.sampler import DistributedBatchSampler, LocalBatch

@@ -293,7 +293,8 @@ class DistributedBatchSampler:
         Raises:
           TypeError: if ``state`` is not a mapping.
           ValueError: if ``state`` lacks keys, or belongs to another dataset,
-            seed, batch size, shuffle or drop_last setting.
+            seed, batch size, shuffle or drop_last setting, or to other length
+            buckets (``jddp.data.buckets``).
         """
         if not isinstance(state, Mapping):
             raise TypeError(
@@ -303,6 +304,7 @@ class DistributedBatchSampler:
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"Sampler state lacks keys {missing}; it must come from `state_dict()`.")
+        self._check_buckets(state)
         mine = self.state_dict()
         diff = [f"{k}: saved {state[k]!r}, here {mine[k]!r}" for k in STATE_KEYS[2:] if state[k] != mine[k]]
         if diff:
@@ -314,6 +316,15 @@ class DistributedBatchSampler:
         skipped = _skipped_ranges(state.get("skipped", []), int(state["position"]))
         self.position = int(state["position"])
         self.skipped = skipped
+
+    def _check_buckets(self, state: Mapping[str, Any]) -> None:
+        """Refuses a state saved by a loader that bucketed by length (``jddp.data.buckets``): other batches."""
+        if state.get("buckets") is not None:
+            raise ValueError(
+                f"The sampler state was saved by a loader with buckets ({state['buckets']!r:.120}); this one has "
+                "none, which makes other global batches. Restore it with the same `buckets=jddp.data.Buckets(...)`, "
+                "or start this data from scratch."
+            )
 
 
 def _skipped_ranges(value: Any, position: int) -> list[tuple[int, int]]:
