@@ -195,7 +195,11 @@ class Checkpointer:
             storage.check_writable(self.directory, probe=jax.process_index() != 0 or storage.is_remote(self.directory))
             self._lease = lease.take(self.directory, lease_timeout_s)
         self._options = orbax_io.manager_options(
-            read_only=read_only, max_to_keep=self.max_to_keep, async_save=async_save, timeout_s=timeout_s
+            read_only=read_only,
+            max_to_keep=self.max_to_keep,
+            async_save=async_save,
+            timeout_s=timeout_s,
+            barrier_prefix=orbax_io.barrier_prefix(self.directory),
         )
         try:
             self._manager = self._open()

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import hashlib
 import os
+import threading
 import time
 from typing import Any
 
@@ -15,11 +18,36 @@ from jddp._version import __version__
 from jddp.checkpoint import digest, storage
 from jddp.checkpoint.restore import EXTRA, LOADER, META, STATE
 
+# Checkpointers opened in this process, by directory: the n-th of a directory gets its n-th barrier prefix.
+_OPENED: collections.Counter[str] = collections.Counter()
+_OPENED_LOCK = threading.Lock()
+
+
+def barrier_prefix(directory) -> str:
+    """The prefix of every key-value barrier that Orbax's manager of this ``Checkpointer`` waits at: the same on
+    every process, and another for every ``Checkpointer`` open in the process.
+
+    Orbax names its barriers by what they do, not by manager: every manager's background write waits at
+    ``ThreadSaveMultiHostValueHolder:set_value_start`` (``orbax/checkpoint/_src/futures/synchronization.py``,
+    ``MultihostSynchronizedValue.set``, called by ``CheckpointManager.save`` and by its finalize thread), and at
+    ``async_write_complete.<step>`` (``_src/checkpointers/async_checkpointer.py``). Two managers of one run (an
+    epoch checkpoint and the best model) then wait at one barrier from two threads, and the coordination service
+    refuses the second: "Barrier ... is already ongoing". Orbax prefixes every key with
+    ``MultiprocessingOptions.barrier_sync_key_prefix``; jddp gives each Checkpointer its own. Every process
+    opens its Checkpointers in the same order (a collective call), so the n-th Checkpointer of a directory has the
+    same prefix on every process: the directory's hash and n.
+    """
+    key = hashlib.sha1(str(directory).encode()).hexdigest()[:12]
+    with _OPENED_LOCK:
+        _OPENED[key] += 1
+        return f"jddp-{key}-{_OPENED[key]}"
+
 
 def manager_options(
-    *, read_only: bool, max_to_keep: int | None, async_save: bool, timeout_s: int
+    *, read_only: bool, max_to_keep: int | None, async_save: bool, timeout_s: int, barrier_prefix: str
 ) -> ocp.CheckpointManagerOptions:
-    """A writer's options (retention, clean-up of unfinished steps, async writes), or a reader's (none of those)."""
+    """A writer's options (retention, clean-up of unfinished steps, async writes), or a reader's (none of those);
+    ``barrier_prefix`` (``barrier_prefix()``) keeps its barriers apart from another manager's."""
     return ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else max_to_keep,
         create=not read_only,
@@ -28,6 +56,7 @@ def manager_options(
         save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=async_save and not read_only,
         async_options=ocp.AsyncOptions(timeout_secs=timeout_s),
+        multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=barrier_prefix),
     )
 
 

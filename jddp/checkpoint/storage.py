@@ -20,6 +20,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -117,8 +118,16 @@ def write_failure(directory, failed: list[int], published: list[int], error: Exc
     what = " and ".join(f"step {s}" for s in failed) if failed else "a checkpoint"
     done = sorted(s for s in published if s not in failed)
     kept = f"the newest complete checkpoint, step {done[-1]}, is intact" if done else "no earlier checkpoint exists"
+    barrier = failed_barrier(error)
     if full:
         fix = "The disk is full: free space there (a smaller max_to_keep keeps fewer steps) or choose another directory"
+    elif barrier is not None:
+        fix = (
+            f"The save's barrier between the processes failed, not the directory: Orbax's key-value barrier "
+            f"`{barrier}`. A peer process was lost or slower than the Checkpointer's timeout_s (the watchdog names "
+            "a lost one), or two saves of this process waited at one barrier (Orbax names barriers by what they "
+            "do; jddp gives each Checkpointer its own prefix, so report it if a jddp Checkpointer did this)"
+        )
     elif watchdog.is_collective_failure(error):  # the save's exchange between processes, not the disk
         fix = (
             "A collective of the save failed: a peer process is lost or cut off (the watchdog names it), not the "
@@ -130,6 +139,27 @@ def write_failure(directory, failed: list[int], published: list[int], error: Exc
         f"Writing {what} to checkpoint directory {str(directory)!r} failed ({type(error).__name__}: {text}). "
         f"{fix}; {kept}, and the next save writes the current step again."
     )
+
+
+# The coordination service's words for a failed barrier (jaxlib's coordination_service.cc): a timeout, a barrier
+# waited at twice at once, or any failure that names the barrier's id.
+_BARRIER = re.compile(r"Barrier (?:timed out\. Id: |Id: )?([\w:\-]+(?:\.[\w\-]+)*)")
+
+
+def failed_barrier(error: BaseException) -> str | None:
+    """The id of the key-value barrier between processes at which ``error`` (or an error it was raised from) failed;
+    None when it is no failed barrier."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if "CoordinationServiceError" in text or type(current).__name__ == "JaxRuntimeError":
+            found = _BARRIER.search(text)
+            if found is not None and found.group(1) not in ("timed", "Id"):
+                return found.group(1)
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def finish_cleanup(manager) -> None:
