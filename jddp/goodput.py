@@ -105,17 +105,25 @@ from jddp.run_ids import runs as runs
 
 def run_records(log_dir: str | os.PathLike, run: str | None = None) -> list[dict]:
     """Every attempt's account of run ``run`` (default the newest), from its ledgers in ``log_dir/goodput/<run>``,
-    else from the run's ``goodput`` records of ``metrics.jsonl`` (ledgers deleted)."""
+    else from the run's ``goodput`` records of ``metrics.jsonl`` (ledgers deleted).
+
+    Raises:
+      goodput_ledger.DamagedLedgerError: a ledger or ``metrics.jsonl`` is damaged (named; nothing is changed).
+    """
     log_dir = Path(log_dir)
     known = run_ids.runs(log_dir)
     run = run if run is not None else (known[-1] if known else None)
     paths = sorted(run_ids.run_dir(log_dir, run).glob("attempt-*.ledger")) if run else []
     if paths:
         return goodput_ledger.ledger_accounts(paths)
-    records = [r for r in logs.read_metrics(log_dir / logs.METRICS_FILE) if r.get("split") == "goodput"]
+    metrics = log_dir / logs.METRICS_FILE
+    try:
+        records = [r for r in logs.read_metrics(metrics) if isinstance(r, dict) and r.get("split") == "goodput"]
+    except (OSError, UnicodeDecodeError) as e:
+        raise goodput_ledger.DamagedLedgerError(metrics, f"it cannot be read ({e})", what="goodput log") from None
     if run is None and records:
         run = records[-1].get("run")
-    return sorted((r for r in records if r.get("run") == run), key=lambda r: r["attempt"])
+    return goodput_ledger.check_records([r for r in records if r.get("run") == run], metrics)
 
 
 def plot(total: goodput_accounts.Total, path: Path) -> None:
@@ -160,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         listed = ", ".join(known) or "none"
         print(f"jddp goodput: no run {args.run!r} in {log_dir} (--run takes one of: {listed})", flush=True)
         return 2
-    records = run_records(log_dir, args.run)
+    try:
+        records = run_records(log_dir, args.run)
+    except goodput_ledger.DamagedLedgerError as e:  # named, exit 2: never a report built from a damaged file
+        print(f"jddp goodput: {e}", flush=True)
+        return 2
     if not records:
         print(
             f"jddp goodput: no goodput records or ledgers in {log_dir} (expected {log_dir}/metrics.jsonl and "
