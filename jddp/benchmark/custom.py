@@ -41,6 +41,25 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# `jddp bench --help`'s epilog: what --model MODULE:FUNCTION takes.
+HELP = """\
+your own model: --model MODULE:FUNCTION
+  MODULE is imported as python -m imports (the current directory first); FUNCTION() takes no
+  arguments and returns a jddp.benchmark.BenchModel, or a dict with the same keys:
+    loss_fn      loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics)),
+                 as for jddp.DataParallel (jddp.models.nnx_loss, linen_loss, eqx_loss build one)
+    params       the parameters, a pytree of arrays
+    batch        a dict of arrays with a leading batch axis (its first --batch-per-device x dev
+                 rows are used, repeated if it has fewer), or batch(global_batch_size) -> such a dict
+    optimizer    optional: an optax.GradientTransformation (default optax.adamw(1e-3, weight_decay=1e-4))
+    model_state  optional: the model state loss_fn reads and returns (default None)
+  The hand and bare programs call loss_fn at the initial model_state with a fixed key (a Weighted
+  loss as total / weight). Example (docs/guides/benchmarks.md):
+    # mymodel.py
+    def bench():
+        return {"loss_fn": loss_fn, "params": params, "batch": {"x": x, "y": y}}
+    $ jddp bench --model mymodel:bench --devices 1,2
+"""
 FIELDS = ("loss_fn", "params", "batch", "optimizer", "model_state")
 REQUIRED = ("loss_fn", "params", "batch")
 CONTRACT = (

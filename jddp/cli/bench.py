@@ -37,7 +37,12 @@ only the latter; ``allreduce_share`` in the JSON); jddp's step time over
 ``hand``'s; and compile time (the first ``DataParallel.step`` call, which
 includes one step). Output: a table on stdout with its legend under it (every
 column, and the marked figure of the 1-device row), ``<output>.json`` and
-``<output>.png``.
+``<output>.png``. Every figure comes with its range at the quartiles of the
+timed runs, the run with the machine's load (the load average, and the CPU
+other processes used while each configuration ran), and a figure that only
+the machine's noise can explain (an efficiency over 100%, an overhead that
+contradicts the ``jddp/hand`` ratio, a wide spread, a busy machine) is marked
+``!`` with a ``noise:`` line giving the reason (``jddp.benchmark.noise``).
 
 The models live in ``jddp.benchmark.models``; each process of a configuration
 runs ``python -m jddp.benchmark.worker``. This module is the command line and
@@ -58,26 +63,7 @@ import textwrap
 from collections.abc import Callable
 
 from jddp import envvars, validate
-from jddp.benchmark import custom, models
-
-MODEL_HELP = """\
-your own model: --model MODULE:FUNCTION
-  MODULE is imported as python -m imports (the current directory first); FUNCTION() takes no
-  arguments and returns a jddp.benchmark.BenchModel, or a dict with the same keys:
-    loss_fn      loss_fn(params, model_state, batch, rng) -> (loss, (model_state, metrics)),
-                 as for jddp.DataParallel (jddp.models.nnx_loss, linen_loss, eqx_loss build one)
-    params       the parameters, a pytree of arrays
-    batch        a dict of arrays with a leading batch axis (its first --batch-per-device x dev
-                 rows are used, repeated if it has fewer), or batch(global_batch_size) -> such a dict
-    optimizer    optional: an optax.GradientTransformation (default optax.adamw(1e-3, weight_decay=1e-4))
-    model_state  optional: the model state loss_fn reads and returns (default None)
-  The hand and bare programs call loss_fn at the initial model_state with a fixed key (a Weighted
-  loss as total / weight). Example (docs/guides/benchmarks.md):
-    # mymodel.py
-    def bench():
-        return {"loss_fn": loss_fn, "params": params, "batch": {"x": x, "y": y}}
-    $ jddp bench --model mymodel:bench --devices 1,2
-"""
+from jddp.benchmark import custom, models, noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +115,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jddp bench",
         description="Throughput, scaling and latency of a jddp step, on a built-in model or your own.",
-        epilog=MODEL_HELP,
+        epilog=custom.HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -178,6 +164,7 @@ def _run_configuration(config: BenchConfig, processes: int, devices: int) -> dic
         cmd += ["--peer-timeout", "120"]  # a loaded machine can stall a process for a while (compiles)
         cmd += ["--devices-per-process", str(devices // processes), *worker]
         env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_") and k != "XLA_FLAGS"}
+        others = noise.OtherLoad().start()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             stdout, stderr = proc.communicate(timeout=config.timeout_s)
@@ -194,7 +181,7 @@ def _run_configuration(config: BenchConfig, processes: int, devices: int) -> dic
                 f"{stdout}\n{stderr}"
             )
         with open(out) as f:
-            return json.load(f)
+            return {**json.load(f), "others_cores": others.stop()}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -204,11 +191,18 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _base(rows: list[dict]) -> dict:
+    return next(row for row in rows if row["processes"] == 1 and row["devices"] == 1)
+
+
 def summarize(raw: list[dict]) -> list[dict]:
     """Derived figures per configuration from the workers' raw timings (milliseconds).
 
     ``allreduce_ms`` is jddp's step minus the same computation without a
     collective (``local_ms``); ``hand_ms`` is the hand-written step with ``pmean``.
+    Each row also holds its figures' ``ranges`` at the timings' quartiles, the
+    other processes' load while it ran (``others_cores``) and its ``noise``
+    flags, ``{figure: reason}`` (``jddp.benchmark.noise``).
     """
     rows = []
     for r in raw:
@@ -230,10 +224,13 @@ def summarize(raw: list[dict]) -> list[dict]:
             "compile_s": r["compile_s"],
             "grad_bytes": r["grad_bytes"],
         })  # fmt: skip
-    base = next(row for row in rows if row["processes"] == 1 and row["devices"] == 1)
-    for row in rows:
+    base = _base(rows)
+    for row, r in zip(rows, raw, strict=True):
         row["speedup"] = row["throughput"] / base["throughput"]
         row["efficiency"] = row["speedup"] / row["devices"]
+        row["ranges"] = noise.figure_ranges(r, _base(raw))
+        row["others_cores"] = r.get("others_cores")
+        row["noise"] = noise.flags(row, others_cores=row["others_cores"])
     return rows
 
 
@@ -241,32 +238,62 @@ def _is_baseline(row: dict) -> bool:
     return row["processes"] == 1 and row["devices"] == 1
 
 
+def _figure(row: dict, key: str, unit: str, digits: str, scale: float = 1.0) -> str:
+    """A figure's cell: its value from the medians, its range at the timings' quartiles in parentheses, and ``!``
+    when ``jddp.benchmark.noise`` flagged it."""
+    value = f"{scale * row[key]:{digits}}{unit}"
+    if key in row.get("ranges", {}):
+        lo, hi = row["ranges"][key]
+        value += f" ({scale * lo:{digits}}-{scale * hi:{digits}})"
+    return value + ("!" if key in row.get("noise", {}) else "")
+
+
 # The table's columns: (name, what it is, the cell of a row). The legend printed under the table is the second field.
 COLUMNS: tuple[tuple[str, str, Callable[[dict], str]], ...] = (
     ("proc", "processes", lambda r: f"{r['processes']}"),
-    ("dev", "devices in all (dev / proc simulated CPU devices in each process)", lambda r: f"{r['devices']}"),
+    (
+        "dev",
+        "devices in all (dev / proc simulated CPU devices in each process)",
+        lambda r: f"{r['devices']}" + ("!" if "row" in r.get("noise", {}) else ""),
+    ),
     (
         "throughput",
         "examples per second, the global batch (--batch-per-device x dev) over the median time per step of "
         "pipelined runs of --steps steps",
-        lambda r: f"{r['throughput']:.0f} examples/s",
+        lambda r: _figure(r, "throughput", " examples/s", ".0f") + ("!" if "step_ms" in r.get("noise", {}) else ""),
     ),
-    ("speedup", "throughput over the 1-process, 1-device row's", lambda r: f"{r['speedup']:.2f}x"),
-    ("efficiency", "speedup / dev (100% is linear scaling)", lambda r: f"{100 * r['efficiency']:.0f}%"),
-    ("step p50", "latency of a step waited for on its own: the median", lambda r: f"{r['latency_median_ms']:.2f} ms"),
+    ("speedup", "throughput over the 1-process, 1-device row's", lambda r: _figure(r, "speedup", "x", ".2f")),
+    (
+        "efficiency",
+        "speedup / dev (100% is linear scaling; more is noise: the devices share the same cores)",
+        lambda r: _figure(r, "efficiency", "%", ".0f", 100.0),
+    ),
+    (
+        "step p50",
+        "latency of a step waited for on its own: the median (its quartiles)",
+        lambda r: _figure(r, "latency_median_ms", " ms", ".2f"),
+    ),
     ("step p90", "the same, 90th percentile", lambda r: f"{r['latency_p90_ms']:.2f} ms"),
     (
         "overhead",
         "(jddp step - bare step) / jddp step, the bare step being the same computation and update with no "
         "collective: the gradient all-reduce and jddp's own work around it (counts, masks, the non-finite guard)",
-        lambda r: f"{100 * r['allreduce_share']:.0f}%" + ("*" if _is_baseline(r) else " "),
+        lambda r: _figure(r, "allreduce_share", "%", ".0f", 100.0) + ("*" if _is_baseline(r) else " "),
     ),
     (
         "jddp/hand",
         "jddp's step time over a hand-written jit(shard_map) step with one pmean",
-        lambda r: f"{r['overhead_vs_hand']:.3f}x",
+        lambda r: _figure(r, "overhead_vs_hand", "x", ".3f"),
     ),
-    ("compile", "the first DataParallel.step call (one step included)", lambda r: f"{r['compile_s']:.2f} s"),
+    (
+        "compile",
+        "the first DataParallel.step call (one step included; the median over --repeats, their min-max)",
+        lambda r: _figure(r, "compile_s", " s", ".2f"),
+    ),
+)
+SPREAD_NOTE = (
+    "(a-b): the figure at the quartiles of the timed runs (--rounds x --repeats per program), lower to upper; "
+    "!: a figure that cannot be true of the step, only of the machine, with its noise: line below"
 )
 BASELINE_NOTE = (
     "* at 1 device nothing crosses devices (the step's all-reduce has a group of one and sends 0 bytes): the "
@@ -274,8 +301,16 @@ BASELINE_NOTE = (
 )
 
 
-def format_table(rows: list[dict]) -> str:
-    """The table, then its legend: what each column is, and the marked figures of the 1-device row."""
+def noise_lines(rows: list[dict], load: dict | None = None) -> list[str]:
+    """One ``noise:`` line per flagged figure of ``rows`` (``jddp.benchmark.noise.flags``) and for a busy ``load``."""
+    lines = [f"noise: {reason}" for row in rows for reason in row.get("noise", {}).values()]
+    note = noise.busy_note(load) if load is not None else None
+    return lines + ([f"noise: {note}"] if note else [])
+
+
+def format_table(rows: list[dict], load: dict | None = None) -> str:
+    """The table, then its legend (what each column is, the marked figures of the 1-device row), then a ``noise:``
+    line for each figure flagged as noise and the machine's load (``load``: ``noise.LoadSampler.stop``'s)."""
     cells = [[cell(r) for _, _, cell in COLUMNS] for r in rows]
     widths = [max(len(name), *(len(row[i]) for row in cells)) for i, (name, _, _) in enumerate(COLUMNS)]
     lines = ["  ".join(name.rjust(w) for (name, _, _), w in zip(COLUMNS, widths, strict=True))]
@@ -284,7 +319,18 @@ def format_table(rows: list[dict]) -> str:
     notes = [f"{name}: {legend}" for name, legend, _ in COLUMNS]
     if any(c.endswith("*") for row in cells for c in row):
         notes.append(BASELINE_NOTE)
+    notes.append(SPREAD_NOTE)
     lines += [textwrap.fill(note, 116, initial_indent="  ", subsequent_indent="      ") for note in notes]
+    if load is not None:
+        measured = [r for r in rows if r.get("others_cores") is not None]
+        others = [f"{r['processes']}x{r['devices']} {r['others_cores']:.2f}" for r in measured]
+        line = (
+            f"load: 1-minute load average {load['start'][0]:.2f} at the start, {load['max']:.2f} at most, "
+            f"{load['end'][0]:.2f} at the end, on {load['cores']} cores"
+            + (f"; other processes' CPU (proc x dev: cores): {', '.join(others)}" if others else "")
+        )
+        lines.append(textwrap.fill(line, 116, subsequent_indent="    "))
+    lines += [textwrap.fill(line, 116, subsequent_indent="    ") for line in noise_lines(rows, load)]
     return "\n".join(lines)
 
 
@@ -328,6 +374,9 @@ def _merge(results: list[dict]) -> dict:
         merged[key] = [v for r in results for v in r[key]]
     for key in ("compile_s", "hand_compile_s"):
         merged[key] = statistics.median(r[key] for r in results)
+    merged["compile_s_runs"] = [r["compile_s"] for r in results]
+    others = [r["others_cores"] for r in results if r.get("others_cores") is not None]
+    merged["others_cores"] = max(others) if others else None  # the busiest repeat's
     return merged
 
 
@@ -360,14 +409,17 @@ def run(config: BenchConfig, *, check: bool = True) -> dict:
         check_model(config)
     configs = config.configurations()
     runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
+    sampler = noise.LoadSampler().start()
     for repeat in range(config.repeats):  # configurations alternate, so slow phases of the machine hit all alike
         for processes, devices in configs if repeat % 2 == 0 else configs[::-1]:
             print(f"jddp bench: {config.model}, {processes} process(es), {devices} device(s), repeat {repeat + 1} "
                   f"of {config.repeats} ...", flush=True)  # fmt: skip
             runs[processes, devices].append(_run_configuration(config, processes, devices))
+    load = sampler.stop()
     raw = [_merge(runs[c]) for c in configs]
-    report = {"config": dataclasses.asdict(config), "raw": raw, "rows": summarize(raw)}
-    print(format_table(report["rows"]))
+    report = {"config": dataclasses.asdict(config), "raw": raw, "rows": summarize(raw), "load": load}
+    report["busy"] = noise.busy_note(load) is not None
+    print(format_table(report["rows"], load))
     os.makedirs(os.path.dirname(os.path.abspath(config.output)), exist_ok=True)
     with open(f"{config.output}.json", "w") as f:
         json.dump(report, f, indent=1)
