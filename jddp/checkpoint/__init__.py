@@ -77,6 +77,18 @@ Guarantees:
   counted as saved: the next ``save`` writes the step again. ``save``,
   ``maybe_save`` and ``restore_or_init`` after ``close`` raise
   ``CheckpointError``; ``close`` twice is fine.
+* **A step saved twice.** ``save`` (or ``maybe_save``) of a step that this
+  ``Checkpointer`` saved or restored last is the same state: nothing is
+  written again (a run's final ``save`` after ``maybe_save`` saved that step).
+  A step that the directory holds from anything else (an earlier run at the
+  same path, a run that went back to an older step) is never kept silently:
+  ``on_existing="refuse"`` (the default, as Orbax's ``StepAlreadyExistsError``)
+  raises ``CheckpointStepExistsError`` naming the step before anything is
+  written; ``"overwrite"`` deletes the old step and writes the new one (as
+  ``torch.save`` replaces a file: until the new step is published only the
+  older steps are on disk); ``"keep"`` keeps the old one and says so in a
+  ``CheckpointWarning``. Whether the step exists is agreed: it exists when any
+  process sees it.
 * **No loader position.** A checkpoint saved without a loader, restored with
   one, is not damage: the state is restored, the loader starts from its
   beginning, and a ``CheckpointWarning`` says so.
@@ -131,12 +143,14 @@ from jddp.checkpoint.digest import digest_array as digest_array
 from jddp.checkpoint.digest import state_digests as state_digests
 from jddp.checkpoint.errors import CheckpointError as CheckpointError
 from jddp.checkpoint.errors import CheckpointLeaseError as CheckpointLeaseError
+from jddp.checkpoint.errors import CheckpointStepExistsError as CheckpointStepExistsError
 from jddp.checkpoint.errors import CheckpointWarning as CheckpointWarning
 
 __all__ = (
     "DAMAGED_SUFFIX",
     "CheckpointError",
     "CheckpointLeaseError",
+    "CheckpointStepExistsError",
     "CheckpointWarning",
     "Checkpointer",
     "config_fingerprint",

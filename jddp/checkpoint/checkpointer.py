@@ -41,7 +41,7 @@ from jddp.checkpoint import (
     snapshot_restore,
     storage,
 )
-from jddp.checkpoint.errors import CheckpointError, CheckpointWarning
+from jddp.checkpoint.errors import CheckpointError, CheckpointStepExistsError, CheckpointWarning
 from jddp.checkpoint.restore import DAMAGED_SUFFIX
 from jddp.runtime import dispatch, distributed, memory, progress, standby, watchdog
 from jddp.runtime.state import TrainState
@@ -96,6 +96,10 @@ class Checkpointer:
       snapshot_every: a fixed number of steps between snapshots instead
         (``snapshot_budget`` is then not used); None: ``$JDDP_SNAPSHOT_EVERY``
         if set.
+      on_existing: what ``save`` does with a step the directory already holds
+        and this Checkpointer neither saved nor restored: ``"refuse"`` raises
+        ``CheckpointStepExistsError``, ``"overwrite"`` replaces it, ``"keep"``
+        keeps it with a ``CheckpointWarning`` (decided on every process alike).
 
     Raises:
       CheckpointLeaseError: if another run writes to ``directory``.
@@ -122,6 +126,7 @@ class Checkpointer:
         snapshots: bool | None = None,
         snapshot_budget: float = 0.01,
         snapshot_every: int | None = None,
+        on_existing: str = "refuse",
     ) -> None:
         distributed.check_joined()
         directory, snapshot_root = checks.check_options(
@@ -138,7 +143,9 @@ class Checkpointer:
             snapshots=snapshots,
             snapshot_budget=snapshot_budget,
             snapshot_every=snapshot_every,
+            on_existing=on_existing,
         )
+        self.on_existing = on_existing
         fingerprint = digest.config_fingerprint(config)  # a config it cannot read: refused before the directory
         self.directory = storage.resolve(directory)
         self.read_only = read_only
@@ -343,13 +350,12 @@ class Checkpointer:
         tree = restore.as_dict(state)
         layouts = digest.leaf_layouts(state)
         step = int(jax.device_get(state.step))
-        self._step = step
-        # Saved already (a resumed run's final save): skip on every process if any process sees the step, so
-        # that processes with different views of a shared file system never split between saving and not.
-        if not preemption.all_agree(step != self._last_saved and step not in self._manager.all_steps()):
+        if not self._may_write(step):
+            self._step = step
             if wait:
                 self.wait()
             return step
+        self._step = step
         meta = orbax_io.step_meta(step, tree, layouts, fingerprint=self.fingerprint, config=self.config)
         saved = jax.tree.map(handoff.one_copy_per_process, tree)
         items = orbax_io.step_items(saved, meta, loader, extra)
@@ -381,6 +387,42 @@ class Checkpointer:
         if wait:
             self.wait()
         return step
+
+    def _may_write(self, step: int) -> bool:
+        """Whether ``save`` writes ``step``: not when this Checkpointer saved or restored it last (the same state);
+        for a step the directory holds otherwise, ``on_existing`` decides (refused, replaced or kept, said). The
+        step exists when any process sees it, so that processes with different views of a shared file system
+        never split between saving and not."""
+        if step == self._last_saved:  # host-side, kept alike on every process
+            return False
+        if preemption.all_agree(step not in self._manager.all_steps()):
+            return True
+        others = sorted(s for s in self._manager.all_steps() if s != step)
+        if self.on_existing == "refuse":
+            raise CheckpointStepExistsError(
+                f"Checkpoint directory {str(self.directory)!r} already holds step {step} (not saved by this "
+                f"Checkpointer: an earlier run at this path, or a run that went back to an older step); nothing was "
+                f"written. Other steps there: {others or 'none'}. Pass on_existing='overwrite' to replace it, "
+                "on_existing='keep' to keep it, or use another directory."
+            )
+        if self.on_existing == "keep":
+            warnings.warn(
+                f"Checkpoint directory {str(self.directory)!r} already holds step {step}: it is kept and this "
+                "state is not saved (on_existing='keep').",
+                CheckpointWarning,
+                stacklevel=5,
+            )
+            return False
+        # "overwrite": Orbax writes no step that exists, so the old one goes first (process 0 removes it, all wait,
+        # all read the directory afresh: a process that did not see it meets the same barrier)
+        with self._write_errors():
+            self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            restore.remove_step(self.directory, step)
+        if jax.process_count() > 1:
+            distributed.barrier(f"checkpoint-overwrite-{step}", timeout_s=120)
+        self._manager.reload()
+        return True
 
     def _hand_over(self, step: int, args, pins: list[np.ndarray]) -> None:
         """In the writer thread: Orbax's blocking part of an async save.

@@ -12,6 +12,8 @@ from jddp import validate
 from jddp.checkpoint import snapshot
 from jddp.runtime.state import TrainState
 
+ON_EXISTING = ("refuse", "overwrite", "keep")  # Checkpointer(on_existing=...): the first is the default
+
 
 def check_options(
     directory,
@@ -28,6 +30,7 @@ def check_options(
     snapshots,
     snapshot_budget,
     snapshot_every,
+    on_existing,
 ) -> tuple[str | os.PathLike, Path | None]:
     """Checks ``Checkpointer(...)``'s options, in the order of its signature's groups; returns the directory
     (``~`` expanded) and the snapshots' root (``snapshot.root()``).
@@ -52,6 +55,12 @@ def check_options(
     ):
         validate.check_bool(name, value)
     validate.check_int("timeout_s", timeout_s, fix="A number of seconds for an async save to finish.")
+    validate.check_str("on_existing", on_existing)
+    if on_existing not in ON_EXISTING:
+        raise ValueError(
+            f"`on_existing` says what `save` does with a step the directory already holds: one of "
+            f"{', '.join(map(repr, ON_EXISTING))}, got on_existing={on_existing!r}."
+        )
     if isinstance(directory, str | os.PathLike) and os.fspath(directory).strip():
         directory = str(validate.check_path("directory", directory))  # "~/x" expanded, "~nobody/x" refused
     if read_only and save_every is not None:

@@ -10,6 +10,11 @@ class CheckpointError(RuntimeError):
     """
 
 
+class CheckpointStepExistsError(CheckpointError):
+    """``save`` of a step the directory already holds, by a ``Checkpointer`` with ``on_existing="refuse"`` (as
+    Orbax's ``StepAlreadyExistsError``): nothing was written, the step on disk is unchanged."""
+
+
 class CheckpointLeaseError(CheckpointError):
     """The checkpoint directory is written by another run, or this run lost its lease to one."""
 

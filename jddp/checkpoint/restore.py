@@ -154,6 +154,17 @@ def try_restore(
     return (new_state, found[LOADER], found[EXTRA], step), None
 
 
+def remove_step(directory, step: int) -> None:
+    """Deletes the step's directory (local, or remote through ``etils.epath``); gone already is fine."""
+    path = directory / str(step)
+    if not path.exists():
+        return
+    if hasattr(path, "rmtree"):  # etils.epath.Path (gs://, s3://)
+        path.rmtree()
+    else:
+        shutil.rmtree(path)
+
+
 def set_aside(directory, step: int) -> None:
     """Renames a damaged step to ``<step>.damaged`` (``.damaged2``, ... if taken); process 0 moves, all wait."""
     if jax.process_index() == 0:
