@@ -36,7 +36,7 @@ def test_the_choices_are_the_documented_ones():
     default = inspect.signature(jddp.Checkpointer).parameters["on_existing"].default
     assert checks.ON_EXISTING[0] == default == "refuse"
     for choice in checks.ON_EXISTING:
-        assert f'"{choice}"' in jddp.Checkpointer.__doc__ and f'"{choice}"' in jddp.checkpoint.__doc__
+        assert f'"{choice}"' in (jddp.Checkpointer.__doc__ or "") and f'"{choice}"' in (jddp.checkpoint.__doc__ or "")
 
 
 @pytest.mark.parametrize("on_existing", checks.ON_EXISTING)
