@@ -160,6 +160,7 @@ VARIABLES: dict[str, Variable] = _declare(
         internal=True,
     ),
     Variable("JDDP_LEDGER_NOTE", "path", None, "where process 0 writes its goodput ledger's path", internal=True),
+    Variable("JDDP_JOB_TOKEN", "path", None, "the job's secret, 16+ characters, not a path (jddp.cli.job_token)"),
     Variable(
         "JDDP_STANDBY_FD",
         "int",

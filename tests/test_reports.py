@@ -15,6 +15,19 @@ from jddp.cli import launch as launch_lib
 from jddp.cli import reports
 from tests import multiprocess
 
+TOKEN = b"the job token of these tests: 42"
+
+
+def answer_line(s: socket.socket, raw: bytes) -> bytes:
+    """``raw`` (a report's JSON, with or without its newline) as the line that answers the challenge ``s`` got:
+    signed with ``TOKEN`` (``reports.signed``), its newline kept or dropped as in ``raw``."""
+    data = b""
+    while b"\n" not in data:
+        data += s.recv(4096)
+    nonce = bytes.fromhex(json.loads(data.split(b"\n")[0])["nonce"])
+    line = reports.signed(json.loads(raw), TOKEN, nonce)
+    return line if raw.endswith(b"\n") else line.rstrip(b"\n")
+
 
 def test_reports_between_launchers_are_parsed_strictly():
     good = {"node": 1, "attempt": 0, "code": -9, "what": "process 1 killed by SIGKILL"}
@@ -51,13 +64,13 @@ def test_a_report_carries_the_processes_found_silent_there():
 
 def test_report_server_keeps_the_first_report_of_each_node_per_attempt():
     port = net.free_port()
-    server = reports.ReportServer("127.0.0.1", port, nnodes=3)
+    server = reports.ReportServer("127.0.0.1", port, nnodes=3, token=TOKEN)
     try:
         to = ("127.0.0.1", port)
-        assert reports.send(to, reports.Report(2, 0, 69, "process 5 stopped after losing a peer (exit 69)"))
-        assert reports.send(to, reports.Report(1, 0, -9, "process 3 killed by SIGKILL"))
-        assert reports.send(to, reports.Report(1, 0, 1, "a later one"))
-        assert reports.send(to, reports.Report(1, 1, 3, "the next attempt"))
+        assert reports.send(to, reports.Report(2, 0, 69, "process 5 stopped after losing a peer (exit 69)"), TOKEN)
+        assert reports.send(to, reports.Report(1, 0, -9, "process 3 killed by SIGKILL"), TOKEN)
+        assert reports.send(to, reports.Report(1, 0, 1, "a later one"), TOKEN)
+        assert reports.send(to, reports.Report(1, 1, 3, "the next attempt"), TOKEN)
         with socket.create_connection(to) as junk:
             junk.sendall(b"GET / HTTP/1.0\r\n\r\n")
         with socket.create_connection(to) as big:
@@ -70,10 +83,10 @@ def test_report_server_keeps_the_first_report_of_each_node_per_attempt():
         assert [(r.node, r.code) for r in server.reports(1)] == [(1, 3)]
         assert server.reports(2) == []
         with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}.*already in use.*--coordinator port whose next"):
-            reports.ReportServer("127.0.0.1", port, nnodes=2)
+            reports.ReportServer("127.0.0.1", port, nnodes=2, token=TOKEN)
     finally:
         server.close()
-    assert not reports.send(("127.0.0.1", port), reports.Report(1, 0, 1, "nobody listens"))
+    assert not reports.send(("127.0.0.1", port), reports.Report(1, 0, 1, "nobody listens"), TOKEN)
 
 
 def test_the_coordinator_port_leaves_room_for_the_report_port():
@@ -105,21 +118,21 @@ def test_a_report_is_read_to_its_end_however_the_client_sends_it(monkeypatch):
     timeout), and a report over ``MAX_REPORT_BYTES`` is ignored even when it is valid JSON."""
     monkeypatch.setattr(reports, "READ_TIMEOUT_S", 30.0)
     port = net.free_port()
-    server = reports.ReportServer("127.0.0.1", port, nnodes=8)
+    server = reports.ReportServer("127.0.0.1", port, nnodes=8, token=TOKEN)
     to = ("127.0.0.1", port)
     held = []
     try:
         with socket.create_connection(to) as s:  # no newline, then closed
-            s.sendall(report_line(1, 0).rstrip(b"\n"))
+            s.sendall(answer_line(s, report_line(1, 0).rstrip(b"\n")))
         assert [r.node for r in wait_for(server, 0, 1, 10)] == [1]
         s = socket.create_connection(to)  # a whole line, the connection kept open: read at the newline
         held.append(s)
-        s.sendall(report_line(2, 0))
+        s.sendall(answer_line(s, report_line(2, 0)))
         assert [r.node for r in wait_for(server, 0, 2, 5)] == [1, 2]
         with socket.create_connection(to) as s:  # exactly the limit: accepted
-            s.sendall(report_line(3, 0, size=reports.MAX_REPORT_BYTES))
+            s.sendall(answer_line(s, report_line(3, 0, size=reports.MAX_REPORT_BYTES + 1)))
         with socket.create_connection(to) as s:  # valid, but over the limit: ignored
-            s.sendall(report_line(4, 0, size=reports.MAX_REPORT_BYTES + 10))
+            s.sendall(answer_line(s, report_line(4, 0, size=reports.MAX_REPORT_BYTES + 10)))
         assert [r.node for r in wait_for(server, 0, 3, 10)] == [1, 2, 3]
         time.sleep(0.3)
         assert [r.node for r in server.reports(0)] == [1, 2, 3]
@@ -134,10 +147,10 @@ def test_a_report_is_read_to_its_end_however_the_client_sends_it(monkeypatch):
 def test_a_report_stalled_without_its_newline_is_read_at_the_read_timeout(monkeypatch):
     monkeypatch.setattr(reports, "READ_TIMEOUT_S", 0.3)
     port = net.free_port()
-    server = reports.ReportServer("127.0.0.1", port, nnodes=2)
+    server = reports.ReportServer("127.0.0.1", port, nnodes=2, token=TOKEN)
     try:
         with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(report_line(1, 0).rstrip(b"\n"))  # and nothing more, the connection open
+            s.sendall(answer_line(s, report_line(1, 0).rstrip(b"\n")))  # and nothing more, the connection open
             assert [r.node for r in wait_for(server, 0, 1, 10)] == [1]
     finally:
         server.close()
@@ -147,15 +160,15 @@ def test_the_report_that_arrived_first_is_kept_even_when_it_is_read_last():
     """Each connection is read in a thread of its own, and the threads end in any order (under load, a later
     connection's often first): which report of a node came first is the order the connections arrived in."""
     port = net.free_port()
-    server = reports.ReportServer("127.0.0.1", port, nnodes=2)
+    server = reports.ReportServer("127.0.0.1", port, nnodes=2, token=TOKEN)
     to = ("127.0.0.1", port)
     try:
         first = reports.Report(1, 0, -9, "process 1 killed by SIGKILL")
-        line = json.dumps(dataclasses.asdict(first)).encode() + b"\n"
         with socket.create_connection(to) as slow:
+            line = answer_line(slow, json.dumps(dataclasses.asdict(first)).encode() + b"\n")
             slow.sendall(line[:10])  # arrives first, but its line is not whole yet
             time.sleep(0.2)
-            assert reports.send(to, reports.Report(1, 0, 69, "a later report of the same node"))
+            assert reports.send(to, reports.Report(1, 0, 69, "a later report of the same node"), TOKEN)
             assert [r.code for r in wait_for(server, 0, 1, 10)] == [69]
             slow.sendall(line[10:])
             deadline = time.monotonic() + 10
@@ -169,9 +182,9 @@ def test_the_report_that_arrived_first_is_kept_even_when_it_is_read_last():
 @pytest.mark.skipif(not multiprocess.ipv6_loopback(), reason="no IPv6 loopback here")
 def test_reports_travel_over_ipv6_loopback():
     port = net.free_port("::1")
-    server = reports.ReportServer(*reports.address(net.split_address(f"[::1]:{port - 1}")), nnodes=2)
+    server = reports.ReportServer(*reports.address(net.split_address(f"[::1]:{port - 1}")), nnodes=2, token=TOKEN)
     try:
-        assert reports.send(("::1", port), reports.Report(1, 0, 3, "process 1 exited with code 3"))
+        assert reports.send(("::1", port), reports.Report(1, 0, 3, "process 1 exited with code 3"), TOKEN)
         assert [(r.node, r.code) for r in wait_for(server, 0, 1, 10)] == [(1, 3)]
     finally:
         server.close()

@@ -33,6 +33,11 @@ class RoundLauncher(Protocol):
         """The number of the round running (the last one run, after it ended)."""
         ...
 
+    @property
+    def token(self) -> bytes:
+        """The job's token (``jddp.cli.job_token``): the rendezvous admits only launchers that prove it."""
+        ...
+
     def say(self, message: str) -> None:
         """Prints ``jddp launch: message`` on stderr."""
         ...

@@ -95,6 +95,13 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         help="after a failure, seconds between SIGTERM and SIGKILL for the others (default 3)",
     )
     parser.add_argument(
+        "--job-token-file",
+        default=None,
+        metavar="PATH",
+        help="with --nnodes > 1: a file (mode 600) whose first line is the job's token; every launcher of the run "
+        "must prove the same token (default: $JDDP_JOB_TOKEN, else derived, see jddp.cli.job_token)",
+    )
+    parser.add_argument(
         "--flush-grace",
         type=envvars.seconds(),
         default=1.0,
@@ -182,6 +189,7 @@ class LaunchConfig:
     kill_grace: float = 3.0  # after a failure, seconds between SIGTERM and SIGKILL for the others
     term_timeout: float = 30.0  # after a forwarded signal, seconds the processes get before SIGKILL
     flush_grace: float = 1.0  # seconds between the flush signal and SIGKILL (jddp.runtime.flush)
+    job_token_file: str | None = None  # the job's token in a file (jddp.cli.job_token); None: $JDDP_JOB_TOKEN, ...
     peer_timeout: float | None = None  # seconds before a silent peer counts as dead (JDDP_PEER_TIMEOUT)
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
     cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)

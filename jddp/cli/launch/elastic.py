@@ -49,14 +49,15 @@ def run(launcher: api.RoundLauncher) -> int:
     address = reports.address(net.split_address(c.coordinator))
     silence = c.peer_timeout or config_lib.DEFAULT_PEER_TIMEOUT_S
     try:
-        server = rendezvous.bind_or_none(*address, silence)
+        server = rendezvous.bind_or_none(*address, silence, launcher.token, launcher.say)
     except OSError as error:
         launcher.say(f"cannot listen for the rendezvous at {address[0]}:{address[1]}: {error}")
         return 1
     if server is not None:
         return Host(launcher, server).run()
     try:
-        client = rendezvous.Client(address, f"{socket.gethostname()}:{os.getpid()}", c.nprocs, c.join_timeout, silence)
+        name = f"{socket.gethostname()}:{os.getpid()}"
+        client = rendezvous.Client(address, name, c.nprocs, c.join_timeout, silence, launcher.token)
     except OSError as error:
         launcher.say(str(error))
         return 1

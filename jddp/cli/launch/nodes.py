@@ -25,23 +25,45 @@ class Nodes:
         self.output = out
         # Node 0 of several: the other launchers' reports (elastic: the rendezvous, jddp.cli.launch.rendezvous).
         self.reports: reports.ReportServer | rendezvous.Server | None = None
+        # The others of a fixed membership: their connection to node 0's launcher (what it tells them).
+        self.subscription: reports.Subscription | None = None
+        self.token = b""  # the job's (jddp.cli.job_token), set by ``open``
         self.probed_at, self.service_answered, self.service_silent_since = 0.0, False, None
         self.remote_deadline: float | None = None
 
-    def open(self) -> None:
-        """Node 0 of several: listens for the other launchers' reports, on the coordinator's port + 1.
+    def open(self, token: bytes) -> None:
+        """Node 0 of several: listens for the other launchers' reports, on the coordinator's port + 1; the others:
+        say hello there with the job's ``token`` (before anything starts) and keep the connection for the run.
 
         Raises:
-          OSError: the port is taken.
+          OSError: the port is taken; node 0's launcher did not answer within ``--join-timeout``, or refused this
+            launcher's token (``reports.Refused``).
         """
-        c = self.config
-        if c.nnodes > 1 and c.node_rank == 0 and not c.elastic:  # elastic: the rendezvous takes the reports
-            assert c.coordinator is not None  # --nnodes > 1 requires it
-            self.reports = reports.ReportServer(*reports.address(net.split_address(c.coordinator)), c.nnodes)
+        c, self.token = self.config, token
+        if c.nnodes == 1 or c.elastic:  # elastic: the rendezvous takes the reports
+            return
+        assert c.coordinator is not None  # --nnodes > 1 requires it
+        address = reports.address(net.split_address(c.coordinator))
+        if c.node_rank == 0:
+            self.reports = reports.ReportServer(*address, c.nnodes, token, self.output.say)
+        else:
+            self.subscription = reports.Subscription(address, c.node_rank, token, c.join_timeout)
 
     def close(self) -> None:
         if self.reports is not None:
             self.reports.close()
+        if self.subscription is not None:
+            self.subscription.close()
+
+    def tell_silent(self, attempt: int, processes: set[int]) -> None:
+        """Node 0 of a fixed membership: tells the other launchers which of their processes a process here found
+        silent (``reports.ReportServer.tell_silent``), so that each stops its own at once."""
+        if isinstance(self.reports, reports.ReportServer) and processes:
+            self.reports.tell_silent(attempt, processes)
+
+    def silent_elsewhere(self, attempt: int) -> set[int]:
+        """The others of a fixed membership: the processes node 0's launcher said a process of its found silent."""
+        return self.subscription.silent(attempt) if self.subscription is not None else set()
 
     def reported(self, attempt: int) -> list[reports.Report]:
         """The other nodes' reports of a failure in ``attempt`` (none but on node 0 of several)."""
@@ -117,7 +139,7 @@ class Nodes:
             code, what = exitcodes.EXIT_PEER_LOST, "its processes were stopped"
         silent = sorted({q for note in notes.values() for q in note.get("silent") or [] if isinstance(q, int)})
         report = reports.Report(self.config.node_rank, attempt, code, what, tuple(silent))
-        reports.send(reports.address(net.split_address(self.config.coordinator)), report)
+        reports.send(reports.address(net.split_address(self.config.coordinator)), report, self.token)
 
     def linger(self, attempt: int, interrupted: Callable[[], bool]) -> None:
         """After a failure of this node's own, keeps the service up while the other nodes' processes find it by

@@ -21,8 +21,11 @@ A launcher whose connection closes, or that sends nothing for the peer timeout, 
 once and forms the next without it. A launcher that finds node 0 gone (the same two ways) stops its processes and
 exits, naming it.
 
-Like the coordination service, the port is unauthenticated: it belongs on the cluster's private network. Anything
-that does not parse is ignored; a connection that does not start with a ``join`` or a report is closed.
+Only the job's own launchers: node 0 sends every connection a challenge first, and its first line (a ``join`` or a
+report) must prove the job token (``jddp.cli.reports.signed``, ``jddp.cli.job_token``); node 0 answers ``ok``, or
+``refused`` and names the address (the refused launcher exits 1 saying how to fix it). Anything that does not parse
+is ignored; a connection that does not start with a proven ``join`` or report is closed. JAX's coordination service
+is not covered: see ``jddp.cli.job_token``.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from jddp.cli import reports
+from jddp.cli import job_token, reports
 
 BEAT_S = 1.0  # both ways: what keeps a quiet connection known alive
 MAX_LINE_BYTES = 65536
@@ -58,30 +62,6 @@ def send(connection: socket.socket, lock: threading.Lock, message: dict[str, Any
             return True
         except OSError:
             return False
-
-
-def _lines(connection: socket.socket, first: bytes = b""):
-    """The JSON objects of the lines that arrive on ``connection`` until it closes (or sends garbage)."""
-    buffer = first
-    while True:
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            try:
-                message = json.loads(line.decode())
-            except (UnicodeDecodeError, ValueError):
-                return
-            if not isinstance(message, dict):
-                return
-            yield message
-        if len(buffer) > MAX_LINE_BYTES:
-            return
-        try:
-            chunk = connection.recv(65536)
-        except OSError:
-            return
-        if not chunk:
-            return
-        buffer += chunk
 
 
 @dataclasses.dataclass
@@ -106,11 +86,13 @@ class Member:
 class Server:
     """Node 0's end: accepts launchers (``members``) and failure reports on ``host:port`` until ``close``."""
 
-    def __init__(self, host: str, port: int, silence_s: float) -> None:
+    def __init__(
+        self, host: str, port: int, silence_s: float, token: bytes, say: Callable[[str], None] | None = None
+    ) -> None:
         """Raises:
         OSError: the address cannot be listened on (``errno`` EADDRINUSE or EADDRNOTAVAIL: another launcher has
         it, or it is not an address of this host)."""
-        self.silence_s = silence_s
+        self.silence_s, self.token, self.say = silence_s, token, say
         self.members: dict[int, Member] = {}
         self.changed = threading.Condition()
         self._reports: list[tuple[int, reports.Report]] = []
@@ -132,26 +114,35 @@ class Server:
     def _serve(self) -> None:
         for arrival in itertools.count():
             try:
-                connection, _ = self._socket.accept()
+                connection, peer = self._socket.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self._read, args=(connection, arrival), daemon=True).start()
+            threading.Thread(target=self._read, args=(connection, peer, arrival), daemon=True).start()
 
-    def _read(self, connection: socket.socket, arrival: int) -> None:
+    def _read(self, connection: socket.socket, peer: Any, arrival: int) -> None:
         connection.settimeout(reports.READ_TIMEOUT_S)
         try:
-            first = connection.recv(65536)
+            nonce = reports.challenge(connection)
         except OSError:
-            first = b""
-        lines = _lines(connection, first)
-        message = next(lines, None)
-        if message is None or message.get("op") != "join":  # a failure report (jddp.cli.reports), or nothing
             connection.close()
-            report = reports.parse(json.dumps(message).encode(), 1 << 30) if message is not None else None
+            return
+        lines = reports.lines(connection)
+        first = next(lines, None)
+        message = reports.opened(first, self.token, nonce)
+        if message is None:  # without the job's token: refused and named (a bare probe that sent nothing is not)
+            if first is not None:
+                reports.refuse(connection, peer, self.say)
+            connection.close()
+            return
+        if message.get("op") != "join":  # a failure report (jddp.cli.reports), or nothing
+            report = reports.parse(message, 1 << 30)
             if report is not None:
                 with self.changed:
                     self._reports.append((arrival, report))
                     self.changed.notify_all()
+            with contextlib.suppress(OSError):
+                connection.sendall(reports.encode({"op": "ok"}))
+            connection.close()
             return
         nprocs, name = message.get("nprocs"), message.get("name")
         if not (isinstance(nprocs, int) and not isinstance(nprocs, bool) and nprocs >= 1 and isinstance(name, str)):
@@ -160,6 +151,7 @@ class Server:
         connection.settimeout(None)
         now = time.monotonic()
         member = Member(next(self._keys), name[:200], nprocs, connection, heard_at=now)
+        member.send({"op": "ok"})
         with self.changed:
             self.members[member.key] = member
             self.changed.notify_all()
@@ -231,7 +223,9 @@ class Server:
                 m.connection.close()
 
 
-def bind_or_none(host: str, port: int, silence_s: float) -> Server | None:
+def bind_or_none(
+    host: str, port: int, silence_s: float, token: bytes, say: Callable[[str], None] | None = None
+) -> Server | None:
     """The server when this launcher can host it (the address is free here), None when another launcher hosts it
     or the address is another host's.
 
@@ -239,7 +233,7 @@ def bind_or_none(host: str, port: int, silence_s: float) -> Server | None:
       OSError: the address cannot be bound for another reason.
     """
     try:
-        return Server(host, port, silence_s)
+        return Server(host, port, silence_s, token, say)
     except OSError as e:
         if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
             return None
@@ -249,18 +243,26 @@ def bind_or_none(host: str, port: int, silence_s: float) -> Server | None:
 class Client:
     """A launcher other than node 0: its connection to node 0's rendezvous, read by a thread into ``inbox``."""
 
-    def __init__(self, address: tuple[str, int], name: str, nprocs: int, timeout: float, silence_s: float) -> None:
-        """Joins, retrying until ``timeout`` (node 0's launcher may start later).
+    def __init__(
+        self, address: tuple[str, int], name: str, nprocs: int, timeout: float, silence_s: float, token: bytes
+    ) -> None:
+        """Joins with the job's ``token``, retrying until ``timeout`` (node 0's launcher may start later).
 
         Raises:
+          reports.Refused: node 0's rendezvous refused this launcher's job token.
           OSError: node 0's rendezvous did not answer within ``timeout``.
         """
         deadline = time.monotonic() + timeout
+        join = {"op": "join", "name": name, "nprocs": nprocs}
         while True:
             try:
                 self.connection = socket.create_connection(address, timeout=reports.SEND_TIMEOUT_S)
+                incoming = reports.answer(self.connection, join, token)
+                reply = next(incoming, None)
                 break
             except OSError as e:
+                with contextlib.suppress(AttributeError, OSError):
+                    self.connection.close()
                 if time.monotonic() > deadline:
                     host, port = address
                     raise OSError(
@@ -270,18 +272,24 @@ class Client:
                         "rendezvous), or check the address and that the port is reachable",
                     ) from None
                 time.sleep(CONNECT_RETRY_S)
+        if reply is None or reply.get("op") != "ok":
+            self.connection.close()
+            host, port = address
+            raise reports.Refused(
+                f"node 0's rendezvous at {host}:{port} refused this launcher: its job token differs from the run's. "
+                f"{job_token.FIX}."
+            )
         self.connection.settimeout(None)
         self.silence_s = silence_s
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.heard_at = time.monotonic()
         self.closed = threading.Event()
         self._lock = threading.Lock()
-        self.send({"op": "join", "name": name, "nprocs": nprocs})
-        threading.Thread(target=self._read, name="jddp-rendezvous-client", daemon=True).start()
+        threading.Thread(target=self._read, args=(incoming,), name="jddp-rendezvous-client", daemon=True).start()
         threading.Thread(target=self._beat, name="jddp-rendezvous-beat", daemon=True).start()
 
-    def _read(self) -> None:
-        for message in _lines(self.connection):
+    def _read(self, incoming) -> None:
+        for message in incoming:
             self.heard_at = time.monotonic()
             if message.get("op") != "beat":
                 self.inbox.put(message)

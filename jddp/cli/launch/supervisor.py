@@ -10,7 +10,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from jddp import envvars, exitcodes, net
-from jddp.cli import output
+from jddp.cli import job_token, output
 from jddp.cli import spare as spare_lib
 from jddp.cli.launch import config as config_lib
 from jddp.cli.launch import (
@@ -58,6 +58,7 @@ class Launcher:
         # an outcome; the round's membership for the processes (JDDP_MEMBERSHIP).
         self.round_hook: Callable[[], tuple[str, workers.Worker | None] | None] | None = None
         self.membership: str | None = None
+        self.token = b""  # the job's (jddp.cli.job_token), resolved by ``run``
 
     def set_config(self, config: config_lib.LaunchConfig) -> None:
         """An elastic round's configuration (its nodes, node rank and process ids), for every part."""
@@ -102,7 +103,7 @@ class Launcher:
     # -- one process's start --------------------------------------------------
     def role_environment(self, local_rank: int, coordinator: str, attempt: int) -> dict[str, str]:
         """The environment of process ``local_rank`` of attempt ``attempt`` (``environment.role_environment``)."""
-        return environment.role_environment(
+        env = environment.role_environment(
             self.config,
             local_rank,
             coordinator,
@@ -112,6 +113,8 @@ class Launcher:
             snapshot_dir=self.snapshot_dir.path,
             membership=self.membership,
         )
+        env[job_token.ENV] = self.token.decode()
+        return env
 
     def start_one(self, local_rank: int, coordinator: str, attempt: int) -> workers.Worker:
         """Process ``local_rank``: woken from standby, handed to its spare, or started anew."""
@@ -196,11 +199,17 @@ class Launcher:
             self.spares.fill()
 
     def silent_named(self) -> None:
-        """Acts on the processes' notes of silent peers (``WorkerGroup.stop_silent``)."""
+        """Acts on the processes' notes of silent peers (``WorkerGroup.stop_silent``); node 0 of several tells the
+        other launchers of those that are theirs, and the others stop those node 0 told them of."""
+        here = {w.process_id for w in self.group.workers}
         for p, note in sorted(self.notes.read().items()):
             silent = {q for q in note.get("silent") or [] if isinstance(q, int)}
             if silent & {w.process_id for w in self.group.workers if w.code is None}:
                 self.group.stop_silent(silent, f"process {p}")
+            self.nodes.tell_silent(self.attempt, silent - here)
+        told = self.nodes.silent_elsewhere(self.attempt)
+        if told & {w.process_id for w in self.group.workers if w.code is None}:
+            self.group.stop_silent(told, "a process of node 0")
 
     def wait_silent(self, timeout: float) -> bool:
         """``WorkerGroup.wait_all``, stopping at once the processes that a survivor names silent meanwhile."""
@@ -341,7 +350,16 @@ class Launcher:
             self.output.say(str(error))
             return 1
         try:
-            self.nodes.open()
+            self.token, source = job_token.resolve(
+                nnodes=c.max_nodes or c.nnodes, coordinator=c.coordinator, token_file=c.job_token_file
+            )
+        except ValueError as error:
+            self.output.say(str(error))
+            return 1
+        if c.nnodes > 1 or c.elastic:
+            self.output.say(f"job token: from {source} (only launchers that prove it are heard)")
+        try:
+            self.nodes.open(self.token)
         except OSError as error:
             self.output.say(str(error))
             return 1
