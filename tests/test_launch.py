@@ -379,6 +379,11 @@ def test_under_launchers_a_process_that_ends_early_ends_the_group_naming_it(node
         assert f"process {victim} was found silent by process {survivor}: stopping it (SIGKILL)" in stderr, shown
     elif frozen_on_0:
         assert f"process {victim} was found silent by a process of node 1: stopping it (SIGKILL)" in stderr, shown
+    if nodes == 2 and victim == 1 and how == "sigstop":
+        # Frozen on node 1 and found silent by process 0: node 0's launcher tells node 1's (jddp.cli.reports), which
+        # stops it at once instead of waiting to see node 0's service gone: the bound holds at every launcher's exit.
+        assert "process 1 was found silent by a process of node 0: stopping it (SIGKILL)" in stderr, shown
+        assert max(ends) - float(ending[0].split()[-1]) < PEER_TIMEOUT + 10, shown
     if frozen_on_0:  # node 0's launcher: the report, the wait for its own processes, the kill grace
         assert ends[0] - ends[1] < launch_lib.PEER_LOST_WAIT_S + 5, shown
         reported = r"the group failed on another node \(node 1: process 1 stopped after losing a peer \(exit 69\)\)"
