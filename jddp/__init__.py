@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from jddp._version import __version__
 from jddp import process_start as _process_start  # noqa: F401  (its IMPORTED_AT: when jddp was first imported)
+from jddp._version import __version__
 
 _EXPORTS = {
     "DATA_AXIS": "jddp.runtime",
@@ -34,6 +34,9 @@ _EXPORTS = {
     "phase": "jddp.runtime.progress",
     "CommReport": "jddp.engine.comm",
     "DataParallel": "jddp.engine.parallel",
+    "average_gradients": "jddp.engine.own_step",
+    "data_parallel": "jddp.engine.own_step",
+    "global_mean": "jddp.engine.own_step",
     "NonFiniteError": "jddp.engine.parallel",
     "ReplicaMismatchError": "jddp.engine.replicas",
     "Metrics": "jddp.engine.metrics",
@@ -70,12 +73,15 @@ __all__ = [
     "TrainState",
     "Weighted",
     "__version__",
+    "average_gradients",
     "barrier",
     "batch_sharding",
     "config",
     "data",
     "data_mesh",
+    "data_parallel",
     "fit",
+    "global_mean",
     "heartbeat",
     "host_all_gather",
     "host_all_reduce",
@@ -113,6 +119,7 @@ if TYPE_CHECKING:
     from jddp.checkpoint import Checkpointer, CheckpointError, CheckpointLeaseError, CheckpointWarning
     from jddp.engine.comm import CommReport
     from jddp.engine.metrics import Metrics, RunningMeans
+    from jddp.engine.own_step import average_gradients, data_parallel, global_mean
     from jddp.engine.parallel import DataParallel, NonFiniteError
     from jddp.engine.reduce import Weighted, masked_mean
     from jddp.engine.replicas import ReplicaMismatchError

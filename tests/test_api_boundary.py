@@ -250,6 +250,11 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.TrainState": lambda c: Call(jddp.TrainState, state_fields(c.state())),
     "jddp.TrainState.replace": lambda c: Call(c.state().replace, {}),
     "jddp.Weighted": lambda c: Call(jddp.Weighted, {"total": jnp.float32(3.0), "weight": jnp.float32(2.0)}),
+    "jddp.average_gradients": lambda c: Call(jddp.average_gradients, {}),
+    "jddp.data_parallel": lambda c: Call(
+        jddp.data_parallel, {"fn": lambda state, batch: state, "batch_argnums": 1, "mesh": c.mesh, "rng": None}
+    ),
+    "jddp.global_mean": lambda c: Call(jddp.global_mean, {"tree": {"a": jnp.ones(2)}}),
     "jddp.barrier": lambda c: Call(jddp.barrier, {"name": "probe", "timeout_s": 5.0}),
     "jddp.batch_sharding": lambda c: Call(jddp.batch_sharding, {"mesh": c.mesh}),
     "jddp.data_mesh": lambda c: Call(jddp.data_mesh, {"devices": jax.devices()[:4]}),
