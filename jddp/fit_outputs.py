@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 
 from jddp import config as config_lib
-from jddp import goodput_accounts, goodput_ledger, logs, run_ids
+from jddp import fit_bar, goodput_accounts, goodput_ledger, logs, run_ids
 
 CONFIG_FILE = "config.yaml"
 # Records FitResult.history keeps (the last ones): a long run's memory stays flat (one record per log_every steps
@@ -34,7 +34,7 @@ class Outputs:
         self.ckpt, self.other_runs = checkpointer, other_runs
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_KEEP)
         self.log: logs.RunLog | None = None
-        self.bar = None
+        self.bar: fit_bar.Bar | None = None
         self.ledger: goodput_ledger.Ledger | None = None
         self.goodput: goodput_accounts.Total | None = None
         self.run_id, self.run_why = "", ""
@@ -61,10 +61,8 @@ class Outputs:
         for directory in (log_dir, self.ckpt and self.ckpt.directory):
             if directory is not None and config is not None:
                 config_lib.save(config, Path(directory) / CONFIG_FILE)
-        if self.show_bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, initial=min(first, self.total), unit="step", dynamic_ncols=True)
+        if self.show_bar:  # tqdm on a terminal, lines in a log file or a pipe
+            self.bar = fit_bar.Bar(total=self.total, initial=min(first, self.total))
 
     def account_attempts(self, *, own: bool, at: dict) -> None:
         """Process 0: the accounts of the earlier attempts not written yet (at the start), or this attempt's own
@@ -121,7 +119,7 @@ class Outputs:
     def say(self, text: str) -> None:
         if self.main:
             if self.bar is not None:
-                self.bar.write(text, file=sys.stdout)
+                self.bar.write(text, file=sys.stdout)  # above the bar, its line cleared first
             else:
                 print(text, flush=True)
 
