@@ -11,11 +11,17 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import difflib
 import importlib
 import io
+import itertools
 import json
 import math
+import os
 import re
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jddp import envvars, net
+from jddp.runtime import cluster_env
 from tests import multiprocess
 
 PACKAGE = multiprocess.ROOT / "jddp"
@@ -408,3 +415,117 @@ def test_launch_peer_timeout_inf_is_refused_before_anything_starts(capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "argument --peer-timeout: must be positive and finite: a number of seconds, got 'inf'" in err, err
+
+
+# ----------------------------------------------- (d) the environment checked whole (jddp.runtime.cluster_env)
+
+
+def typos(name: str) -> set[str]:
+    """Misspellings of ``name`` after its ``JDDP_`` prefix: a letter dropped, two neighbours swapped, one doubled."""
+    head, tail = name[:5], name[5:]
+    out = set()
+    for i in range(len(tail)):
+        out.add(head + tail[:i] + tail[i + 1 :])
+        out.add(head + tail[:i] + tail[i] + tail[i:])
+        if i + 1 < len(tail):
+            out.add(head + tail[:i] + tail[i + 1] + tail[i] + tail[i + 2 :])
+    return {t for t in out if t not in envvars.VARIABLES and t != head}
+
+
+def similarity(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def test_every_misspelled_variable_is_named_with_the_closest_declared_one():
+    exact = total = 0
+    for name in envvars.VARIABLES:
+        for typo in sorted(typos(name)):
+            ((unknown, close),) = cluster_env.unknown_variables({typo: "1", name: "1", "PATH": "/bin"})
+            assert unknown == typo and close in envvars.VARIABLES, (typo, close)
+            # difflib's choice: never a name further from the typo than the one it came from
+            assert similarity(typo, close) >= similarity(typo, name) - 1e-12, (typo, close, name)
+            (said,) = cluster_env.environment_warnings({typo: "1"}, alone=True)
+            assert f"${typo} is not a jddp variable" in said and f"did you mean {close}?" in said
+            exact += close == name
+            total += 1
+    assert total > 500 and exact / total > 0.9, (exact, total)
+    assert cluster_env.unknown_variables(dict.fromkeys(envvars.VARIABLES, "1")) == []
+    assert cluster_env.unknown_variables({"JDDP_TEST_SEED": "1", "JDDP_SEMANTIC_MUTANT": "m", "XJDDP_A": ""}) == []
+
+
+def subsets(names: tuple[str, ...]) -> list[tuple[str, ...]]:
+    return [c for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
+
+
+def test_every_partial_scheduler_environment_is_named_with_what_is_missing():
+    assert len(cluster_env.SCHEDULERS) >= 5
+    for scheduler in cluster_env.SCHEDULERS:
+        for present in subsets(scheduler.needs):
+            environ = {v: str(i) for i, v in enumerate(present)}
+            missing = [v for v in scheduler.needs if v not in present]
+            found = [(s.name, p, m) for s, p, m in cluster_env.partial_schedulers(environ)]
+            said = cluster_env.environment_warnings(environ, alone=True)
+            if not present or (not missing and scheduler.joins):
+                assert found == [] and said == [], (scheduler.name, present)
+                continue
+            assert found == [(scheduler.name, list(present), missing)]
+            (line,) = said
+            assert f"{scheduler.name}'s variables are set" in line and "process 0 of 1" in line
+            assert all(f"{v}=" in line for v in present) and all(v in line.split("missing")[-1] for v in missing)
+            assert cluster_env.environment_warnings(environ, alone=False) == []  # a group was found: nothing
+            if scheduler.detected and missing:
+                with pytest.raises(ValueError, match=rf"{re.escape(scheduler.name)}'s variables are partly set"):
+                    cluster_env.refuse_partial(environ)
+
+
+def test_the_schedulers_jax_detects_are_found_by_jax_with_the_whole_set(monkeypatch):
+    """The table agrees with JAX's cluster detection (jax/_src/clusters): with the whole set JAX finds the cluster;
+    with part of it, either JAX does not (jddp runs alone, and warns) or jddp refuses it (``refuse_partial``)."""
+    from jddp.runtime import jax_internals
+
+    every = {v for s in cluster_env.SCHEDULERS for v in s.needs}
+    for name in list(os.environ):
+        if name in every or name.startswith(("SLURM_", "OMPI_", "KUBERNETES_", "TPU_")):
+            monkeypatch.delenv(name)
+    assert not jax_internals.cluster_detected()
+    detected = [s for s in cluster_env.SCHEDULERS if s.detected]
+    assert {s.name for s in detected} == {"SLURM", "Open MPI"}
+    for scheduler in detected:
+        for present in subsets(scheduler.needs):
+            with monkeypatch.context() as m:
+                for v in present:
+                    m.setenv(v, "1")
+                jax_found = jax_internals.cluster_detected()
+                whole = len(present) == len(scheduler.needs)
+                if whole:
+                    assert jax_found, scheduler.name
+                elif jax_found:  # JAX would go on and fail on a missing variable: jddp refuses first
+                    with pytest.raises(ValueError, match="partly set"):
+                        cluster_env.refuse_partial(os.environ)
+
+
+@pytest.mark.parametrize("rank", cluster_env.RANK_VARIABLES)
+def test_only_process_0_of_the_first_attempt_warns(rank, monkeypatch):
+    assert cluster_env.reports({}) and cluster_env.reports({rank: "0"}) and not cluster_env.reports({rank: "3"})
+    assert not cluster_env.reports({rank: "0", "JDDP_RESTART_COUNT": "1"})
+    monkeypatch.setattr(cluster_env, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="JDDP_PEER_TIMOUT is not a jddp variable"):
+        cluster_env.warn_environment(alone=False, environ={rank: "0", "JDDP_PEER_TIMOUT": "1"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cluster_env.warn_environment(alone=False, environ={rank: "0", "JDDP_PEER_TIMOUT": "1"})  # once per process
+        monkeypatch.setattr(cluster_env, "_warned", False)
+        cluster_env.warn_environment(alone=False, environ={rank: "1", "JDDP_PEER_TIMOUT": "1"})  # not process 0
+
+
+@pytest.mark.multiprocess
+def test_initialize_names_a_typo_and_a_partial_slurm_environment_once(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORD"))}
+    env.update(SLURM_JOB_ID="42", SLURM_NTASKS="4", JDDP_PEER_TIMOUT="5", JAX_PLATFORMS="cpu")
+    code = "import jddp\nassert jddp.initialize() is None\nassert jddp.initialize() is None\nprint('alone')\n"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "alone" in done.stdout, done.stderr
+    assert done.stderr.count("$JDDP_PEER_TIMOUT is not a jddp variable") == 1, done.stderr
+    assert "did you mean JDDP_PEER_TIMEOUT?" in done.stderr
+    assert done.stderr.count("SLURM's variables are set") == 1, done.stderr
+    assert "missing SLURM_STEP_NODELIST, SLURM_PROCID, SLURM_LOCALID" in done.stderr

@@ -35,18 +35,25 @@ Environment variables (``jddp launch`` sets the first five):
 * ``JDDP_LOCAL_DEVICES``: simulated CPU devices in this process;
 * ``JDDP_PEER_TIMEOUT`` (seconds), ``JDDP_INIT_TIMEOUT`` (seconds): defaults of
   the arguments of the same names.
+
+A ``JDDP_*`` variable jddp does not declare is named with the closest declared
+one, and a scheduler's variables partly set (SLURM without ``srun``'s, Open MPI,
+``PMI_*``, ``JAX_COORDINATOR_ADDRESS``...) are named with what is missing before
+the process runs alone: a warning on process 0, once (``jddp.runtime.cluster_env``).
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import socket
 import sys
 import time
 
 from jddp import envvars, net, validate
 from jddp.runtime import (
+    cluster_env,
     compile_cache,
     jax_internals,
     join_settings,
@@ -149,6 +156,10 @@ def initialize(
         coordinator, num_processes, process_id, local_devices, init_timeout_s, peer_timeout_s, bind_address
     )
     stall = progress.Settings.from_env()  # bad JDDP_STALL_* values raise here, before anything starts
+    # unknown JDDP_* names, and a scheduler's variables partly set where no group was found (process 0, once)
+    cluster_env.warn_environment(alone=settings.single and settings.num_processes is None)
+    if settings.num_processes is None and not settings.single:  # a cluster JAX detected: its variables whole
+        cluster_env.refuse_partial(os.environ)
     compile_cache.enable()  # restarts and reruns read their compiled programs back (jddp.runtime.compile_cache)
     if settings.single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
         if settings.local_devices is not None:
