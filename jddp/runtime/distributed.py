@@ -160,12 +160,15 @@ def initialize(
     cluster_env.warn_environment(alone=settings.single and settings.num_processes is None)
     if settings.num_processes is None and not settings.single:  # a cluster JAX detected: its variables whole
         cluster_env.refuse_partial(os.environ)
-    compile_cache.enable()  # restarts and reruns read their compiled programs back (jddp.runtime.compile_cache)
     if settings.single:  # nothing to join; simulate_cpu_devices raises if the backend runs with another count
         if settings.local_devices is not None:
             mesh.simulate_cpu_devices(settings.local_devices)
+        compile_cache.enable()  # after the checks that refuse: a refused call leaves the cache as it was
         return None
     _prepare_backend(settings)
+    # restarts and reruns read their compiled programs back (jddp.runtime.compile_cache); after the backend check,
+    # so that a refused call leaves no cache set (tests/test_refusals.py)
+    compile_cache.enable()
     coordinator = _join(settings, shutdown_timeout_s)
     if not launched:
         # srun, mpiexec, a group set by hand: no launcher drops gloo's chatter. After _join, so that the coordination
