@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def config_file_directory(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["c.yaml"]
 
 
-CASES = {
+CASES: dict[str, Callable[..., None] | str] = {
     "jddp.checkpoint.lease:Lease.acquire": checkpointer_snapshot_dir,
     "jddp.checkpoint.lease:take": checkpointer_snapshot_dir,
     "jddp.checkpoint.snapshot:Snapshots.__init__": checkpointer_snapshot_dir,
@@ -153,7 +154,10 @@ def test_every_site_is_covered():
     assert not (set(CASES) | set(ELSEWHERE)) - found, "cases for sites that no longer exist"
 
 
-@pytest.mark.parametrize("case", sorted({c for c in CASES.values() if callable(c)}, key=lambda c: c.__name__))
+REFUSALS: list[Callable[..., None]] = sorted({c for c in CASES.values() if not isinstance(c, str)}, key=str)
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=lambda c: c.__name__)
 def test_after_a_refusal_the_corrected_call_succeeds(tmp_path, monkeypatch, case):
     before = {t.ident for t in threading.enumerate()}
     case(tmp_path, monkeypatch)
