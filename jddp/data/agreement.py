@@ -7,11 +7,12 @@ import json
 import jax
 import numpy as np
 
+from jddp.data import buckets
 from jddp.data import sampler as sampler_lib
 from jddp.runtime import dispatch, watchdog
 
-# Room for one process's loader settings as JSON in the all-gather that compares them.
-_SETTINGS_BYTES = 512
+# Room for one process's loader settings as JSON in the all-gather that compares them (with buckets' boundaries).
+_SETTINGS_BYTES = 2048
 
 
 def agree(sampler: sampler_lib.DistributedBatchSampler) -> None:
@@ -35,6 +36,8 @@ def agree(sampler: sampler_lib.DistributedBatchSampler) -> None:
         "drop_last": s.drop_last,
         "position": s.position,
     }
+    if isinstance(s, buckets.BucketedBatchSampler):  # the lengths decide which examples form each batch
+        mine["buckets"] = buckets.settings(s.buckets, s.lengths)
     text = json.dumps(mine).encode()[:_SETTINGS_BYTES]
     row = np.zeros(_SETTINGS_BYTES, np.uint8)
     row[: len(text)] = np.frombuffer(text, np.uint8)
@@ -55,6 +58,6 @@ def agree(sampler: sampler_lib.DistributedBatchSampler) -> None:
             raise ValueError(
                 f"The DataLoaders of this run's processes differ in {key}: {listed}. Every process must build "
                 "its loader with the same source size, global_batch_size, max_per_device_batch_size, seed, "
-                "shuffle and drop_last, and restore the same position, or examples are duplicated and "
-                f"dropped.{hint}"
+                "shuffle, drop_last and buckets (and the same lengths), and restore the same position, or examples "
+                f"are duplicated and dropped.{hint}"
             )

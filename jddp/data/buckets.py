@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -270,7 +270,8 @@ class BucketedBatchSampler(sampler_lib.DistributedBatchSampler):
                 counts.append(np.array([rest]))
                 kinds.append(np.array([k]))
         first = np.argsort(np.concatenate(done), kind="stable")
-        return tuple(np.concatenate(a).astype(np.int64)[first] for a in (rows, counts, kinds))
+        places, counts, kinds = (np.concatenate(a).astype(np.int64)[first] for a in (rows, counts, kinds))
+        return places, counts, kinds
 
     def boundary_at(self, position: int) -> int:
         """The sequence length of the global batch at ``position``: its bucket's boundary."""
@@ -341,7 +342,7 @@ def fill(out: np.ndarray, rows: np.ndarray, lengths: np.ndarray, value: np.ndarr
 
 
 def pad_rows(
-    rows: list[Mapping[str, Any]], lengths: np.ndarray, boundary: int, buckets: Buckets, indices: np.ndarray
+    rows: Sequence[Mapping[str, Any]], lengths: np.ndarray, boundary: int, buckets: Buckets, indices: np.ndarray
 ) -> dict[str, np.ndarray]:
     """Examples read one by one (a record source, or after ``transform``) as one batch padded to ``boundary``.
 

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime, validate
 from jddp.data import agreement, fields, pipeline, reading, sizes
+from jddp.data import buckets as buckets_lib
 from jddp.data import sampler as sampler_lib
 from jddp.runtime import distributed, host, packing, progress
 
@@ -88,6 +89,11 @@ class DataLoader:
         results do not depend on the number of processes.
       batch_transform: ``batch_transform(batch, rng) -> batch`` on this
         process's slice; ``rng`` is seeded by (seed, position, process).
+      buckets: ``jddp.data.Buckets(boundaries, length, pad)`` for variable-length examples: each global batch
+        holds examples of one length bucket, its ``pad`` fields padded to the bucket's boundary, so a run has at
+        most ``len(boundaries)`` batch shapes (one compiled step each); the batches stay world-size invariant
+        (``jddp.data.buckets``). The lengths are read from the whole source when the loader is built. None: every
+        example has the same shape.
       worker_count: Grain worker processes (0 reads in this process; workers
         need the ``if __name__ == "__main__":`` guard).
       prefetch: batches read ahead, by a thread (0 workers) or per worker,
@@ -121,6 +127,7 @@ class DataLoader:
         drop_last: bool = True,
         transform: reading.Transform | None = None,
         batch_transform: reading.Transform | None = None,
+        buckets: buckets_lib.Buckets | None = None,
         worker_count: int = 0,
         prefetch: int = 2,
     ):
@@ -170,16 +177,21 @@ class DataLoader:
                 "drop_last=False (the batch is then padded with masked entries), or check `source`: len(source) is "
                 f"{size}."
             )
-        self.sampler = sampler_lib.DistributedBatchSampler(
-            size,
-            global_batch_size=global_batch_size,
-            num_replicas=jax.process_count(),
-            rank=jax.process_index(),
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            padded_batch_size=padded,
-        )
+        if buckets is not None and not isinstance(buckets, buckets_lib.Buckets):
+            raise TypeError(
+                f"`buckets` must be a jddp.data.Buckets(boundaries=..., length=..., pad=...), or None, got "
+                f"buckets={buckets!r:.80}."
+            )
+        options = {"global_batch_size": global_batch_size, "num_replicas": jax.process_count()}
+        options |= {"rank": jax.process_index(), "seed": seed, "padded_batch_size": padded}
+        if buckets is None:
+            self.sampler = sampler_lib.DistributedBatchSampler(size, shuffle=shuffle, drop_last=drop_last, **options)
+        else:
+            lengths = buckets_lib.checked_lengths(buckets, reading.lengths(source, buckets))
+            self.sampler = buckets_lib.BucketedBatchSampler(
+                lengths, buckets, shuffle=shuffle, drop_last=drop_last, **options
+            )
+        self.buckets = buckets
         self.source, self.mesh = source, mesh
         self.global_batch_size: int = self.sampler.global_batch_size  # real examples per step, all devices together
         self.padded_batch_size: int = padded  # rows per step (the arrays' leading axis): examples, then padding
