@@ -296,6 +296,7 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.data.DataLoader": lambda c: Call(
         jddp.data.DataLoader, {"source": c.source, "global_batch_size": N, "mesh": c.mesh}
     ),
+    "jddp.data.Buckets": lambda c: Call(jddp.data.Buckets, {"boundaries": (2, 4), "length": "n", "pad": {"t": 0}}),
     "jddp.data.DataLoader.close": lambda c: Call(c.loader().close, {}),
     "jddp.data.DataLoader.examples_at": lambda c: closing((k := c.loader()).examples_at, k, step=1),
     "jddp.data.DataLoader.set_epoch": lambda c: closing((k := c.loader()).set_epoch, k, epoch=1),
@@ -585,6 +586,8 @@ ACCEPTED: dict[tuple[str, str, str], str] = {
     ("jddp.config.save", "path", "missing-parent"): "the file's directory is created with its parents",
     ("jddp.config.save", "path", "file"): "an existing file is replaced (atomically): a rerun rewrites its config.yaml",
     ("jddp.config.run_field", "default", "None"): "a config field may default to None (`devices: int | None`)",
+    ("jddp.data.Buckets", "length", "string"): "any name of a field: the source is not known yet; DataLoader refuses a "
+    "name the source lacks, naming its fields",
     ("jddp.data.DataLoader", "worker_count", "zero"): "0 workers: the batches are read in this process (documented)",
     ("jddp.data.DataLoader", "prefetch", "zero"): "0: nothing read ahead, a block is read when it is due (documented)",
     ("jddp.models.to_host", "tree", "*"): "any pytree: its array leaves are copied to the host, others kept",
