@@ -169,7 +169,9 @@ def test_read_only_leaves_a_damaged_step_in_place(tmp_path):
 def test_read_only_on_a_directory_not_written_yet_restores_nothing_and_creates_nothing(tmp_path):
     _, state, _ = make(2)
     with jddp.Checkpointer(tmp_path / "later", read_only=True) as reader:
-        assert reader.all_steps() == [] and reader.restore_or_init(state) is state
+        assert reader.all_steps() == []
+        with pytest.warns(jddp.CheckpointWarning, match=r"'.*later' does not exist: the state passed in is returned"):
+            assert reader.restore_or_init(state) is state
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match=r"read-only Checkpointer never saves, got save_every=5"):
         jddp.Checkpointer(tmp_path, read_only=True, save_every=5)
@@ -219,7 +221,7 @@ def test_a_checkpoint_without_a_loader_position_restores_the_model_and_says_so(t
         assert ckpt.damaged == [] and ckpt.all_steps() == [3]
     assert int(state.step) == 3 and loader.get_state()["position"] == 0
     np.testing.assert_array_equal(np.asarray(state.params["w1"]), np.asarray(trained.params["w1"]))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "jddp.run"]  # nothing set aside
 
 
 def test_save_or_restore_after_close_is_an_error_and_closing_twice_is_not(tmp_path):
@@ -237,7 +239,7 @@ def test_save_or_restore_after_close_is_an_error_and_closing_twice_is_not(tmp_pa
             jddp.CheckpointError, match=rf"Cannot {action}: this Checkpointer of '{tmp_path}' is closed"
         ):
             call()
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["jddp.run"]  # the run's identity, written when it opened
 
 
 @pytest.mark.parametrize("url", ["gs://jddp-no-such-bucket/ckpt", "s3://jddp-no-such-bucket/ckpt"])

@@ -77,6 +77,19 @@ Guarantees:
   counted as saved: the next ``save`` writes the step again. ``save``,
   ``maybe_save`` and ``restore_or_init`` after ``close`` raise
   ``CheckpointError``; ``close`` twice is fine.
+* **The run's identity.** The first writer of a directory writes a run id
+  to ``<directory>/jddp.run`` (``jddp.checkpoint.identity``); later writers
+  of the directory (restarts, elastic rounds, relaunches) read it back. Every
+  checkpoint and every in-memory snapshot carries it with the config
+  fingerprint and every leaf's path, shape and dtype. A snapshot of another
+  run is never restored (a warning names both runs) and is removed; a
+  checkpoint step of another run is an error naming both, or with
+  ``allow_other_run=True`` a warning naming both. A reader of a directory
+  that does not exist or holds no checkpoint says so in a warning.
+* **Side by side.** Any number of ``Checkpointer``s save in one run, also at
+  every step in a group: each one's Orbax barriers carry its own prefix
+  (``orbax_io.barrier_prefix``). A save whose barrier between processes
+  failed raises ``CheckpointError`` naming the barrier.
 * **A step saved twice.** ``save`` (or ``maybe_save``) of a step that this
   ``Checkpointer`` saved or restored last is the same state: nothing is
   written again (a run's final ``save`` after ``maybe_save`` saved that step).

@@ -30,9 +30,11 @@ import orbax.checkpoint as ocp
 
 from jddp import envvars, exitcodes, validate
 from jddp.checkpoint import (
+    any_tree,
     checks,
     digest,
     handoff,
+    identity,
     lease,
     orbax_io,
     preemption,
@@ -45,6 +47,32 @@ from jddp.checkpoint.errors import CheckpointError, CheckpointStepExistsError, C
 from jddp.checkpoint.restore import DAMAGED_SUFFIX
 from jddp.runtime import dispatch, distributed, memory, progress, standby, watchdog
 from jddp.runtime.state import TrainState
+
+
+def _any_tree(method):
+    """A state of the user's own (any pytree of arrays: a Flax ``TrainState``, an Equinox model and its optimizer
+    state) taken where a ``TrainState`` is, with ``step=`` or its own ``step``; ``restore_or_init`` gives back a tree
+    of the same kind (``jddp.checkpoint.any_tree``)."""
+
+    @functools.wraps(method)
+    def wrapper(self, state, *args, step=None, **kwargs):
+        if not any_tree.is_foreign(state):
+            if step is not None:
+                raise TypeError(
+                    f"`step` is for a state of your own (any pytree), but state is a jddp.TrainState, which carries "
+                    f"its step: drop step={step!r}."
+                )
+            return method(self, state, *args, **kwargs)
+        restoring = method.__name__ == "restore_or_init"
+        if restoring and step is None and getattr(state, "step", None) is None:
+            step = 0  # the template's step is not read
+        wrapped, unwrap = any_tree.wrapped(state, step, f"Checkpointer.{method.__name__}")
+        out = method(self, wrapped, *args, **kwargs)
+        if not restoring:
+            return out
+        return (unwrap(out[0]), *out[1:]) if isinstance(out, tuple) else unwrap(out)
+
+    return wrapper
 
 
 def _in_checkpoint_phase(method):
@@ -70,6 +98,10 @@ class Checkpointer:
       config: the run's config; its fingerprint is saved and checked on restore.
       allow_config_change: restore a checkpoint whose config fingerprint
         differs (a warning instead of an error).
+      allow_other_run: restore a checkpoint that another run wrote (another
+        run id than the directory's ``jddp.run``, e.g. a step copied in from
+        another run's directory): a warning naming both runs instead of an
+        error. In-memory snapshots of another run are never restored.
       async_save: write in the background (default) or block until written.
       exit_on_preemption: after the preemption save, raise
         ``SystemExit(EXIT_PREEMPTED)``; when False, ``maybe_save`` returns and
@@ -117,6 +149,7 @@ class Checkpointer:
         max_to_keep: int | None = 3,
         config: Any = None,
         allow_config_change: bool = False,
+        allow_other_run: bool = False,
         async_save: bool = True,
         exit_on_preemption: bool = True,
         timeout_s: int = 600,
@@ -134,6 +167,7 @@ class Checkpointer:
             save_every=save_every,
             max_to_keep=max_to_keep,
             allow_config_change=allow_config_change,
+            allow_other_run=allow_other_run,
             async_save=async_save,
             exit_on_preemption=exit_on_preemption,
             timeout_s=timeout_s,
@@ -154,6 +188,8 @@ class Checkpointer:
         self.save_every, self.max_to_keep = save_every, max_to_keep
         self.fingerprint, self.config = fingerprint
         self.allow_config_change = allow_config_change
+        self.allow_other_run = allow_other_run
+        self._run_id: str | None = None
         self.exit_on_preemption = exit_on_preemption
         self.preempted = False
         self._pending: concurrent.futures.Future | None = None
@@ -210,6 +246,7 @@ class Checkpointer:
         )
         try:
             self._manager = self._open()
+            self._run_id = identity.directory_run(self.directory, self._newest_meta_run, read_only=read_only)
         except BaseException:
             self._give_back_lease()
             raise
@@ -244,6 +281,7 @@ class Checkpointer:
                 snapshot_root,
                 self.directory,
                 fingerprint=self.fingerprint,
+                run=self._run_id,
                 budget=snapshot_budget,
                 every=snapshot_every if snapshot_every is not None else envvars.get("JDDP_SNAPSHOT_EVERY"),
             )
@@ -305,6 +343,22 @@ class Checkpointer:
             snaps.fingerprint = value
 
     @property
+    def run_id(self) -> str | None:
+        """The id of the run that writes this directory (``jddp.checkpoint.identity``): made by its first writer,
+        the same after every restart; saved with each checkpoint and snapshot and checked on restore. None for a
+        reader of a directory that holds no run."""
+        standby.wait()
+        return self._run_id
+
+    def _newest_meta_run(self) -> str | None:
+        """The run id in the newest checkpoint's metadata that names one (a directory without ``jddp.run``)."""
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            meta, _ = restore.read_meta(self.directory, step)
+            if isinstance(meta, dict) and isinstance(meta.get("run"), str) and meta["run"]:
+                return meta["run"]
+        return None
+
+    @property
     def snapshot_every(self) -> int | None:
         """The steps between in-memory snapshots now, as the processes agreed them (None: no snapshots)."""
         standby.wait()
@@ -318,6 +372,7 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
 
+    @_any_tree
     @progress.collective_call("Checkpointer.save")
     @_in_checkpoint_phase
     def save(self, state: TrainState, loader=None, *, wait: bool = False, extra=None) -> int:
@@ -356,7 +411,9 @@ class Checkpointer:
                 self.wait()
             return step
         self._step = step
-        meta = orbax_io.step_meta(step, tree, layouts, fingerprint=self.fingerprint, config=self.config)
+        meta = orbax_io.step_meta(
+            step, tree, layouts, fingerprint=self.fingerprint, config=self.config, run=self._run_id
+        )
         saved = jax.tree.map(handoff.one_copy_per_process, tree)
         items = orbax_io.step_items(saved, meta, loader, extra)
         digests = meta["digests"]
@@ -466,6 +523,7 @@ class Checkpointer:
                 ) from error
             raise
 
+    @_any_tree
     @progress.collective_call("Checkpointer.maybe_save", eager=False)  # every step: the watchdog publishes it
     def maybe_save(self, state: TrainState, loader=None, *, extra=None) -> bool:
         """Call once per training step, on every process. Saves every ``save_every`` steps and on preemption.
@@ -581,6 +639,7 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- restoring
 
+    @_any_tree
     @progress.collective_call("Checkpointer.restore_or_init")
     @_in_checkpoint_phase
     def restore_or_init(self, state: TrainState, loader=None, *, extra=None):
@@ -612,13 +671,15 @@ class Checkpointer:
         start = time.perf_counter()
         failures = []
         self.restored_from = None
-        found = snapshot_restore.from_memory(self._snapshots, state, self.fingerprint, self.latest_step)
+        found = snapshot_restore.from_memory(self._snapshots, state, self.fingerprint, self.latest_step, self._run_id)
         restored, self.restored_from = found if found is not None else (None, None)
         if self._snapshots is not None:  # every process is past the restore's collectives: nobody reads them now
             self._snapshots.forget_others()
         if restored is None:
             restored, failures = self._restore_from_disk(state, loader, extra)
         self.damaged.extend(failures)
+        if restored is None and not failures and self.read_only:
+            warnings.warn(storage.nothing_to_read(self.directory), CheckpointWarning, stacklevel=3)
         if restored is None and failures:
             listed = "; ".join(f"step {s}: {r}" for s, r in failures)
             kept = (

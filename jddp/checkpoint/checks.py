@@ -21,6 +21,7 @@ def check_options(
     save_every,
     max_to_keep,
     allow_config_change,
+    allow_other_run,
     async_save,
     exit_on_preemption,
     timeout_s,
@@ -50,6 +51,7 @@ def check_options(
     for name, value in (
         ("read_only", read_only),
         ("allow_config_change", allow_config_change),
+        ("allow_other_run", allow_other_run),
         ("async_save", async_save),
         ("exit_on_preemption", exit_on_preemption),
     ):

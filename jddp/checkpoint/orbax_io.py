@@ -73,11 +73,12 @@ def open_manager(directory: str | os.PathLike, options: ocp.CheckpointManagerOpt
     return manager
 
 
-def step_meta(step: int, tree: dict, layouts: list, *, fingerprint: str | None, config: Any) -> dict:
-    """The ``meta`` item of ``step``: counts, versions, the config and its fingerprint, the leaves; its
-    ``"digests"`` a future the caller sets (``digest.MetaHandler`` reads it in the background)."""
+def step_meta(step: int, tree: dict, layouts: list, *, fingerprint: str | None, config: Any, run: str | None) -> dict:
+    """The ``meta`` item of ``step``: counts, versions, the run that wrote it, the config and its fingerprint, the
+    leaves; its ``"digests"`` a future the caller sets (``digest.MetaHandler`` reads it in the background)."""
     return {
         "step": step,
+        "run": run,  # jddp.checkpoint.identity
         "processes": jax.process_count(),
         "devices": jax.device_count(),
         "config_fingerprint": fingerprint,

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jddp.checkpoint import digest
+from jddp.checkpoint import digest, identity
 from jddp.checkpoint.errors import CheckpointWarning
 from jddp.runtime.state import TrainState
 
@@ -50,6 +50,17 @@ def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
         why = _empty_difference(meta["empty_nodes"], digest.empty_nodes(tree))
     if why is not None:
         raise ValueError(f"Checkpoint step {step} in {ckpt.directory} holds {why}")
+    saved_run, run = meta.get("run"), ckpt.run_id
+    if saved_run and run and saved_run != run:  # a step without one: saved by an older jddp, in this directory
+        message = (
+            f"Checkpoint step {step} in {ckpt.directory} was written by "
+            f"{identity.describe(saved_run, meta.get('config_fingerprint'))}, and the directory belongs to "
+            f"{identity.describe(run, ckpt.fingerprint)} (its {identity.FILENAME}): another run's state, copied "
+            "in or left behind. Pass allow_other_run=True to start from it anyway, or use another directory."
+        )
+        if not ckpt.allow_other_run:
+            raise ValueError(message)
+        warnings.warn(message, CheckpointWarning, stacklevel=6)
     if ckpt.fingerprint and meta.get("config_fingerprint") and meta["config_fingerprint"] != ckpt.fingerprint:
         saved = meta.get("config", {})
         keys = sorted(k for k in set(saved) | set(ckpt.config) if saved.get(k) != ckpt.config.get(k))

@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import time
 import warnings
 import zlib
@@ -126,7 +125,14 @@ class Snapshots(snapshot_interval.Interval):
     """One process's snapshots for one ``Checkpointer``; see the module docstring."""
 
     def __init__(
-        self, base: Path, directory, *, fingerprint: str | None, budget: float, every: int | None = None
+        self,
+        base: Path,
+        directory,
+        *,
+        fingerprint: str | None,
+        budget: float,
+        every: int | None = None,
+        run: str | None = None,
     ) -> None:
         self.process, self.processes = jax.process_index(), jax.process_count()
         self.folder = Path(base) / _key(directory) / f"process-{self.process}-of-{self.processes}"
@@ -134,6 +140,7 @@ class Snapshots(snapshot_interval.Interval):
         (self.folder / WRITING).unlink(missing_ok=True)  # a write a kill interrupted: never read
         super().__init__(budget=budget, every=every)
         self.fingerprint = fingerprint
+        self.run = run  # the checkpoint directory's run id (jddp.checkpoint.identity), in every header
         # jddp launch's index of this process on its host: of a replicated state, the processes of a host would
         # keep the same snapshot, so only the first does (the others get it from it at a restart: "peer")
         self.local_rank = envvars.get("JDDP_LOCAL_RANK")
@@ -186,6 +193,7 @@ class Snapshots(snapshot_interval.Interval):
             "processes": self.processes,
             "devices": jax.device_count(),
             "fingerprint": self.fingerprint,
+            "run": self.run,
             "loader": loader_state,
             "extra": extra_state,
         }
@@ -279,8 +287,10 @@ class Snapshots(snapshot_interval.Interval):
         """
         path = self.folder / f"{step}{SUFFIX}"
         try:
-            return decode(np.fromfile(path, np.uint8), step, tree, fingerprint)
-        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as error:
+            return decode(np.fromfile(path, np.uint8), step, tree, fingerprint, run=self.run)
+        except snapshot_format.Unusable:
+            raise
+        except (OSError, *snapshot_format.DAMAGE) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
 
     def read_for_peers(self, step: int, tree: dict, fingerprint: str | None, *, path: Path | None = None) -> np.ndarray:
@@ -294,8 +304,10 @@ class Snapshots(snapshot_interval.Interval):
         path = path or self.folder / f"{step}{SUFFIX}"
         try:
             file = np.fromfile(path, np.uint8)
-            decode(file, step, tree, fingerprint, whole=True)
-        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as error:
+            decode(file, step, tree, fingerprint, run=self.run, whole=True)
+        except snapshot_format.Unusable:
+            raise
+        except (OSError, *snapshot_format.DAMAGE) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
         return file
 
@@ -316,6 +328,10 @@ class Snapshots(snapshot_interval.Interval):
         for folder in self.folder.parent.glob("process-*-of-*"):
             if not folder.name.endswith(f"-of-{self.processes}"):
                 shutil.rmtree(folder, ignore_errors=True)
+
+    def discard(self, step: int) -> None:
+        """Removes this process's snapshot of ``step`` (another run's: it can never be restored here)."""
+        (self.folder / f"{step}{SUFFIX}").unlink(missing_ok=True)
 
     def drop_after(self, step: int) -> None:
         """Removes this process's snapshots newer than ``step`` (the restored one): another timeline's."""

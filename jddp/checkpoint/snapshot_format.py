@@ -20,12 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jddp.checkpoint import identity
+
 FORMAT = 1
 HEADER_LENGTH = struct.Struct("<Q")
 
 
 class Unusable(Exception):
     """A snapshot that cannot be restored here; the message says why."""
+
+
+class OtherRun(Unusable):
+    """A snapshot written by another run (another run id or config fingerprint than the checkpoint directory's):
+    never restored, and removed by the restore that found it."""
 
 
 def _normal_index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -98,17 +105,42 @@ def shard_layout(tree) -> Layout:
     return Layout(leaves, shards, picks, whole)
 
 
-def decode(file: np.ndarray, step: int, tree: dict, fingerprint: str | None, *, whole: bool = False):
+# What a file's damage may raise while its header or data is read (cut short, garbage, NaN or wrong types in the
+# header's fields): each becomes ``Unusable``, naming the error.
+DAMAGE = (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError, struct.error, UnicodeError)
+
+
+def decode(file: np.ndarray, step: int, tree: dict, fingerprint: str | None, *, run: str | None, whole: bool = False):
     """``(arrays by field in tree's shardings, loader position, extra state)`` of a snapshot file's bytes.
 
+    Args:
+      run: the run id of the checkpoint directory (``jddp.checkpoint.identity``); ``fingerprint`` its config's.
+
     Raises:
-      Unusable: see ``Snapshots.load``; with ``whole``, also for a snapshot that holds parts of split leaves.
+      OtherRun: the snapshot was written by another run (run id or config fingerprint), both named.
+      Unusable: see ``Snapshots.load``; with ``whole``, also for a snapshot that holds parts of split leaves;
+        also for any damage of its bytes (never another error).
     """
+    try:
+        return _decode(file, step, tree, fingerprint, run=run, whole=whole)
+    except DAMAGE as error:
+        raise Unusable(f"snapshot of step {step} cannot be read ({type(error).__name__}: {error})") from error
+
+
+def _decode(file: np.ndarray, step: int, tree: dict, fingerprint: str | None, *, run: str | None, whole: bool):
     (length,) = HEADER_LENGTH.unpack_from(file.data, 0)
     header = json.loads(file[HEADER_LENGTH.size : HEADER_LENGTH.size + length].tobytes())
+    if not isinstance(header, dict):
+        raise Unusable(f"snapshot of step {step}: its header is a {type(header).__name__}, not a JSON object")
     if header.get("format") != FORMAT or header.get("step") != step:
         raise Unusable(f"snapshot of step {step}: format {header.get('format')}, step {header.get('step')}")
-    here: dict[str, Any] = {"fingerprint": fingerprint}
+    if header.get("run") != run or header.get("fingerprint") != fingerprint:
+        raise OtherRun(
+            f"snapshot of step {step} was written by {identity.describe(header.get('run'), header.get('fingerprint'))}"
+            f", the checkpoint directory is {identity.describe(run, fingerprint)}: another run's state (a new run "
+            "at the path of a stopped one?), never restored"
+        )
+    here: dict[str, Any] = {}
     if not whole:  # a snapshot of whole leaves restores onto any process and device count, as a checkpoint does
         here.update(processes=jax.process_count(), devices=jax.device_count())
     for name, value in here.items():

@@ -26,11 +26,13 @@ def from_memory(
     state: TrainState,
     fingerprint: str | None,
     latest_step: Callable[[], int | None],
+    run: str | None = None,
 ) -> tuple[Restored, str] | None:
     """The newest in-memory snapshot step that every process holds complete and that is not older than the
     newest checkpoint on disk (``latest_step``), restored as ``restore.try_restore`` restores a disk step, and
     where it came from (``"memory"``, or ``"peer"``: see ``from_a_peer``); None when there is none (or none loads
-    on every process). The steps and the outcome are agreed with collectives."""
+    on every process). The steps and the outcome are agreed with collectives. ``run``: the checkpoint directory's
+    run id; a snapshot of another run (or config fingerprint) is refused with a warning naming both, and removed."""
     if snaps is None and jax.process_count() == 1:
         return None
     mine = snaps.steps()[: 2 * snapshot.KEEP] if snaps is not None else []
@@ -44,6 +46,9 @@ def from_memory(
         try:
             tree, loader_state, extra_state = snaps.load(step, restore.as_dict(state), fingerprint)
             reason = None
+        except snapshot_format.OtherRun as error:
+            reason = str(error)
+            snaps.discard(step)
         except snapshot_format.Unusable as error:
             reason = str(error)
         if preemption.all_agree(reason is None):
@@ -53,12 +58,12 @@ def from_memory(
             f"The in-memory snapshot of step {step} cannot be used ({reason or 'not on another process'}); "
             "trying an older one, then the checkpoints on disk."
         )
-    restored = from_a_peer(snaps, state, fingerprint, rows)
+    restored = from_a_peer(snaps, state, fingerprint, rows, run)
     return None if restored is None else (restored, "peer")
 
 
 def from_a_peer(
-    snaps: snapshot.Snapshots | None, state: TrainState, fingerprint: str | None, rows: np.ndarray
+    snaps: snapshot.Snapshots | None, state: TrainState, fingerprint: str | None, rows: np.ndarray, run: str | None
 ) -> Restored | None:
     """When no step is held by every process (a process whose host's memory was lost, a replaced host): the
     newest step some process holds, not older than the disk's, sent to every process from the first that
@@ -84,7 +89,7 @@ def from_a_peer(
         return None
     try:
         tree, loader_state, extra_state = snapshot_format.decode(
-            blob, step, restore.as_dict(state), fingerprint, whole=True
+            blob, step, restore.as_dict(state), fingerprint, run=run, whole=True
         )
         reason = None
     except snapshot_format.Unusable as error:

@@ -109,6 +109,29 @@ def not_writable(directory, error: OSError) -> PermissionError:
     )
 
 
+def nothing_to_read(directory) -> str:
+    """A reader's message for a directory that holds no checkpoint: missing (with close names beside it: a typo?)
+    or empty."""
+    if is_remote(directory):
+        return f"Checkpoint directory {str(directory)!r} holds no checkpoint: the state passed in is returned."
+    if directory.exists():
+        return (
+            f"Checkpoint directory {str(directory)!r} holds no checkpoint (yet): the state passed in is returned "
+            "untrained. Is the trainer's first save still to come, or is this another run's directory?"
+        )
+    import difflib
+
+    parent = next((p for p in directory.parents if p.is_dir()), None)
+    near = []
+    if parent is not None and parent == directory.parent:
+        near = difflib.get_close_matches(directory.name, [p.name for p in parent.iterdir() if p.is_dir()], n=3)
+    hint = f" Directories of close names there: {', '.join(map(repr, near))}." if near else ""
+    return (
+        f"Checkpoint directory {str(directory)!r} does not exist: the state passed in is returned untrained. "
+        f"Check the path (a typo?).{hint}"
+    )
+
+
 def write_failure(directory, failed: list[int], published: list[int], error: Exception) -> str:
     """The message of a failed write: the steps lost, Orbax's cause, what is intact and what to do."""
     text = " ".join(str(error).split())
