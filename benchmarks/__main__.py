@@ -64,6 +64,7 @@ ALL: list[tuple[str, str, list[str], str | None]] = [
     ("elastic", "elastic", ["--repeats", "4"], None),
     ("readme_command", "readme_command", [], None),
     ("loader_throughput", "loader_throughput", [], None),
+    ("bucketing", "bucketing", [], None),
     ("checkpoint_stall", "checkpoint_stall", [], None),
 ]  # fmt: skip
 # Benchmarks with a results file of their own besides the record (its flag): ``all`` points it into DIR.
