@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jddp import validate
-from jddp.engine import reduce
+from jddp.engine import contracts, reduce
 from jddp.runtime import packing
 from jddp.runtime import state as state_lib
 
@@ -208,8 +208,6 @@ def unpack_loss(out):
         loss, (model_state, metrics) = out
     except (TypeError, ValueError):
         raise TypeError(MSG_LOSS_OUTPUT.format(got=describe(out))) from None
-    if not isinstance(metrics, dict):
-        raise TypeError(MSG_LOSS_OUTPUT.format(got=f"metrics of type {type(metrics).__name__}"))
     return loss, (model_state, metrics)
 
 
@@ -236,16 +234,12 @@ def is_float_dtype(value) -> bool:
 
 
 def unpack_hook(out, grads) -> tuple[Any, dict]:
-    """``grad_hook``'s result as (grads, metrics): the same tree as ``grads``, and a dict of scalars."""
-    new, metrics = out if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else (out, {})
-    if jax.tree.structure(new) != jax.tree.structure(grads):
-        raise TypeError(
-            "`grad_hook` must return the gradients as it got them (a tree of the params' structure), or "
-            f"(grads, metrics); got a tree {jax.tree.structure(new)} for {jax.tree.structure(grads)}."
-        )
-    for name, value in metrics.items():
-        if jnp.shape(value) != ():
-            raise ValueError(f"`grad_hook`'s metric {name!r} must be a scalar, got shape={jnp.shape(value)}.")
+    """``grad_hook``'s result as (grads, metrics): the tree, shapes and dtypes of ``grads``, and a dict of scalars
+    (``contracts.HOOK_GRADS``, ``contracts.HOOK_METRICS``: checked on avals while tracing)."""
+    pair = isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == jax.tree.structure(grads)
+    new, metrics = out if pair or (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)) else (out, {})
+    contracts.check(contracts.HOOK_GRADS, new, grads)
+    contracts.check(contracts.HOOK_METRICS, metrics)
     return new, metrics
 
 

@@ -123,7 +123,10 @@ class DataParallel:
         ``(grads, metrics)``, called inside the step with the averaged (and
         clipped) gradient, identical on every replica; the gradients it
         returns feed the optimizer, and its scalar metrics join the step's.
-        The non-finite guard and ``grad_norm`` read the gradient before it.
+        ``grad_norm`` reads the gradient before it; the non-finite guard reads
+        both, so a hook that returns a non-finite gradient skips the step. What
+        it returns must keep the tree, shapes and dtypes it got
+        (``jddp.engine.contracts``).
       local_metrics: also report each device's own loss and gradient norm
         (means over its real examples) as ``local_loss/<i>`` and
         ``local_grad_norm/<i>`` for device ``i``: carried in the one

@@ -17,8 +17,9 @@ engine folds only the step into it), each example then sees the numbers it
 would see on one device, bit for bit, however the batch is split. With
 ``accumulate_steps`` the device's rows are that many micro-batches of
 ``rows``; each draws with the same key, and keeps the rows of its place in the
-global batch: micro-batch ``i`` of device ``d`` holds rows ``(d * k + i) *
-rows`` on. A global batch padded past its real examples (``DataLoader(...,
+global batch: micro-batch ``i`` of device ``d`` holds the rows
+``d * k * rows + i + k * t`` for ``t < rows`` (every ``k``-th row:
+``jddp.engine.step.micro_batches``). A global batch padded past its real examples (``DataLoader(...,
 max_per_device_batch_size=...)``) draws for its padded size, whose first rows
 are the unpadded batch's draws with JAX's default threefry PRNG
 (``jax_threefry_partitionable``: each number follows from the key and its
@@ -79,8 +80,8 @@ def per_example(
     Args:
       fn: a function traced inside ``shard_map`` over ``axis``, given ``rows`` rows of a global batch of
         ``total`` rows split evenly over the devices in order, each device's share in ``accumulate_steps``
-        consecutive micro-batches: micro-batch ``micro`` of device ``d`` holds rows
-        ``(d * accumulate_steps + micro) * rows`` on.
+        strided micro-batches: micro-batch ``micro`` of device ``d`` holds its rows ``micro``,
+        ``micro + accumulate_steps``, ... (global rows ``d * accumulate_steps * rows + micro + accumulate_steps * t``).
       rows: the rows of the batch ``fn`` sees.
       total: the rows of the global batch (padding included).
       axis: the mesh axis the batch is split over.
@@ -203,8 +204,13 @@ class _Rewrite:
     def _draw(self, eqn, key):
         shape = eqn.params["shape"]
         whole = eqn.primitive.bind(key, **{**eqn.params, "shape": (self.total, *shape[1:])})
-        start = (lax.axis_index(self.axis) * self.accumulate_steps + self.micro) * self.rows
-        return lax.dynamic_slice_in_dim(whole, start, self.rows, 0)
+        k = self.accumulate_steps
+        device = lax.dynamic_slice_in_dim(whole, lax.axis_index(self.axis) * self.rows * k, self.rows * k, 0)
+        if k == 1:
+            return device
+        # Micro-batch ``micro`` holds the device's rows micro, micro + k, ... (``jddp.engine.step.micro_batches``).
+        strided = device.reshape(self.rows, k, *device.shape[1:])
+        return lax.dynamic_index_in_dim(strided, self.micro, axis=1, keepdims=False)
 
     def _param(self, value):
         """A parameter with each sub-jaxpr that draws per example rewritten (others kept as they are)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from jax import lax
 
 from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, fused, loss_scale, reduce, varying
+from jddp.engine import checks, contracts, fused, loss_scale, reduce, varying
 from jddp.engine import rng as rng_lib
 from jddp.runtime import packing
 from jddp.runtime import state as state_lib
@@ -99,7 +99,9 @@ class DeviceStep:
         ``check_vma=False``)."""
         state = state_lib.TrainState(*train, rng)
         args = (train, rng, batch)
-        (grads, model_state, sums), flags = varying.traced(self._device_grads, args, (False, False, True))
+        traced = varying.traced(self._device_grads, args, (False, False, True), inputs=True)
+        (grads, model_state, sums), flags, depends = cast("tuple[Any, Any, Any]", traced)
+        contracts.warn_if_constant("loss_fn", [not d for d in jax.tree.leaves(depends[0])])
         return state, grads, model_state, sums, flags[1]
 
     def _device_grads(self, train: Train, rng: jax.Array, batch):
@@ -200,7 +202,7 @@ class DeviceStep:
         if opts.clip_grad_norm is not None:
             scale = scale * jnp.where(grad_norm > opts.clip_grad_norm, opts.clip_grad_norm / grad_norm, 1.0)
 
-        hooked = {}
+        hooked = None
         if opts.grad_hook is not None:
             # The mean gradient formed here, before the branch, for the user's hook (it then feeds the update).
             grads_sum = jax.tree.map(lambda s, p: mean_of(s, p.dtype, scale), grads_sum, state.params)
@@ -224,6 +226,8 @@ class DeviceStep:
         take = examples > 0
         if opts.nonfinite != "ignore":
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            if hooked is not None and contracts.HOOK_GRADS.guarded:  # what is applied: the hook's gradients
+                finite = finite & contracts.finite(grads_sum)
             metrics["nonfinite"] = (~finite).astype(jnp.float32)
             take = take & finite
         params, opt_state, model_state = lax.cond(take, update, skip, operands)
@@ -231,8 +235,8 @@ class DeviceStep:
             opt_state = loss_scale.adjusted(opt_state, finite)
         checks.check_metric_names(aux, metrics)
         metrics.update({k: reduce.safe_divide(w.total, w.weight) for k, w in aux.items()})
-        checks.check_metric_names(hooked, metrics)
-        metrics.update(hooked)
+        checks.check_metric_names(hooked or {}, metrics)
+        metrics.update(hooked or {})
         for name, vector in local.items():  # every device's own value, by device index
             metrics.update({f"{name}/{i}": vector[i] for i in range(self.num_devices)})
         # Each mean's weight follows the values (as eval's do), so that means over many steps are exact for a
@@ -254,11 +258,11 @@ class DeviceStep:
         count = reduce.example_count(batch, leading_size(batch))
 
         def objective(params):
-            loss_fn = self._loss(self.loss_fn, batch, micro)
+            loss_fn = self._loss(checked_loss_fn(self.loss_fn), batch, micro)
             # compute_dtype: the float params and batch arrays cast for the forward and backward pass; the cast's
             # transpose gives the gradient back in the parameters' own dtype.
             p, b = (params, batch) if self.options.compute_dtype is None else self._cast((params, batch))
-            loss, (new_model_state, aux) = checks.unpack_loss(loss_fn(p, model_state, b, key))
+            loss, (new_model_state, aux) = loss_fn(p, model_state, b, key)
             loss_w = reduce.as_weighted(loss, count, "The loss returned by `loss_fn`")
             aux_w = {k: reduce.as_weighted(v, count, f"Metric {k!r} returned by `loss_fn`") for k, v in aux.items()}
             # The loss scale multiplies the mean (as GradScaler's), not the total over this slice's rows.
@@ -275,7 +279,7 @@ class DeviceStep:
         (``_loss``), so that they do not depend on ``accumulate_steps`` or the device count; with
         ``rng="device"`` the micro-batch's index is folded into the device's key."""
         k = self.options.accumulate_steps
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        micro = jax.tree.map(functools.partial(micro_batches, k=k), batch)
         first = jax.tree.map(lambda x: x[0], micro)
         shapes = jax.eval_shape(self._local_grads, params, model_state, first, key, scale, 0)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[2]))
@@ -298,13 +302,13 @@ class DeviceStep:
         count = reduce.example_count(batch, leading_size(batch))
         if self.eval_fn is None:
             key = self._key(jax.random.wrap_key_data(state.rng))
-            loss_fn = self._loss(self.loss_fn, batch)
-            loss, (_, aux) = checks.unpack_loss(loss_fn(state.params, state.model_state, batch, key))
+            loss_fn = self._loss(checked_loss_fn(self.loss_fn), batch)
+            # A metric named "loss" would overwrite the loss here: the contract refuses it, as in the step.
+            loss, (_, aux) = loss_fn(state.params, state.model_state, batch, key)
             metrics = {"loss": loss, **aux}
         else:
             metrics = self.eval_fn(state.params, state.model_state, batch)
-        if not isinstance(metrics, dict):
-            raise TypeError(f"`eval_fn` must return a dict of scalars, got {type(metrics).__name__}.")
+            contracts.check(contracts.EVAL_METRICS, metrics)
         sums = {k: reduce.as_weighted(v, count, f"Metric {k!r}") for k, v in metrics.items()}
         sums, examples = self.psum((sums, count), DATA)
         metrics = {k: reduce.safe_divide(w.total, w.weight) for k, w in sums.items()}
@@ -314,10 +318,34 @@ class DeviceStep:
         return jnp.concatenate([packed, jnp.stack([w.weight for w in sums.values()])])
 
 
+def checked_loss_fn(loss_fn: jt.LossFn) -> jt.LossFn:
+    """``loss_fn`` whose result is checked against its contracts (``contracts.LOSS``, ``MODEL_STATE``,
+    ``LOSS_METRICS``) where it returns, on abstract values while JAX traces it: nothing of it runs in the program."""
+
+    def checked(params, model_state, batch, key):
+        # The model state's avals before the call: a model may forbid reading its old state afterwards (Equinox).
+        before = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), model_state)
+        loss, (new_model_state, metrics) = checks.unpack_loss(loss_fn(params, model_state, batch, key))
+        contracts.check(contracts.LOSS, loss)
+        contracts.check(contracts.MODEL_STATE, new_model_state, before)
+        contracts.check(contracts.LOSS_METRICS, metrics)
+        return loss, (new_model_state, metrics)
+
+    return checked
+
+
 def mean_of(grad_sum: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     """``grad_sum * scale`` as ``dtype``, computed in float32 or in float64 for float64 parameters."""
     compute = reduce.sum_dtype(dtype, grad_sum.dtype)
     return (grad_sum.astype(compute) * scale.astype(compute)).astype(dtype)
+
+
+def micro_batches(x: jax.Array, k: int) -> jax.Array:
+    """A device's rows ``[k * m, ...]`` as ``k`` micro-batches ``[k, m, ...]``, micro-batch ``i`` holding the rows
+    ``i, i + k, i + 2k, ...``: since every device's slice starts at a multiple of ``k``, micro-batch ``i`` of the
+    step is the global rows ``j`` with ``j % k == i`` on every device layout, so that statistics the model computes
+    over a micro-batch (``BatchNorm(axis_name="data")``) are over the same examples on 1 device and on N."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
 
 
 def unpacked(batch):

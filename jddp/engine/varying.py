@@ -48,9 +48,11 @@ _REDUCING = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant", "
 _SPLITTING = frozenset({"reduce_scatter", "all_to_all", "ppermute", "psum_scatter", "pshuffle"})
 # Calls whose sub-jaxpr takes exactly the equation's inputs and gives its outputs.
 _CALL_PARAMS = ("jaxpr", "call_jaxpr")
+# An axis name no program uses: with it, ``varying_outputs`` tells which outputs depend on the inputs at all.
+_NO_AXIS = "jddp: no axis"
 
 
-def traced(fn: Callable, args: tuple, varying_args: tuple[bool, ...], axis: str = DATA):
+def traced(fn: Callable, args: tuple, varying_args: tuple[bool, ...], axis: str = DATA, *, inputs: bool = False):
     """``fn(*args)`` traced once, and which leaves of its result vary over ``axis``.
 
     Args:
@@ -59,10 +61,12 @@ def traced(fn: Callable, args: tuple, varying_args: tuple[bool, ...], axis: str 
       varying_args: for each argument, whether all its leaves vary over ``axis`` (the batch) or none do (the
         replicated state).
       axis: the mesh axis.
+      inputs: also return which leaves of the result depend on any argument at all (False: a constant of the
+        program, such as the zero gradient of a loss that does not read the parameters).
 
     Returns:
       ``(result, flags)``: ``fn``'s result, and a pytree of its structure holding True for each leaf that may
-      differ across devices.
+      differ across devices; with ``inputs``, ``(result, flags, depends)``.
     """
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     flat_args = jax.tree.leaves(args)
@@ -70,7 +74,12 @@ def traced(fn: Callable, args: tuple, varying_args: tuple[bool, ...], axis: str 
     out_flags = varying_outputs(closed, in_flags, axis)
     outs = jex.core.jaxpr_as_fun(closed)(*flat_args)
     treedef = jax.tree.structure(shapes)
-    return jax.tree.unflatten(treedef, list(outs)), jax.tree.unflatten(treedef, out_flags)
+    result, flags = jax.tree.unflatten(treedef, list(outs)), jax.tree.unflatten(treedef, out_flags)
+    if not inputs:
+        return result, flags
+    # Dependence on any input: the same walk with every input marked and an axis no collective names.
+    depends = varying_outputs(closed, [True] * len(flat_args), _NO_AXIS)
+    return result, flags, jax.tree.unflatten(treedef, depends)
 
 
 def varying_outputs(closed, in_flags: Sequence[bool], axis: str) -> list[bool]:
