@@ -230,7 +230,7 @@ def test_every_checkpoint_damaged_starts_afresh_with_a_warning_and_keeps_them(tm
     ), messages[2]
     assert [step for step, _ in ckpt.damaged] == [6, 3]
     assert int(state.step) == 0 and loader.get_state()["position"] == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["3.damaged", "6.damaged", "jddp.lease"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3.damaged", "6.damaged", "jddp.lease", "jddp.run"]
     assert (tmp_path / "6.damaged" / "state").is_dir()  # the data is still there, for inspection or repair
     state, consumed = train(dp, state, loader, 20, ckpt)  # a fresh run: the uninterrupted sequence from step 1
     ckpt.close()

@@ -671,7 +671,9 @@ class Checkpointer:
         start = time.perf_counter()
         failures = []
         self.restored_from = None
-        found = snapshot_restore.from_memory(self._snapshots, state, self.fingerprint, self.latest_step, self._run_id)
+        found = snapshot_restore.from_memory(
+            self._snapshots, state, self.fingerprint, self.latest_step, self._run_id, loader
+        )
         restored, self.restored_from = found if found is not None else (None, None)
         if self._snapshots is not None:  # every process is past the restore's collectives: nobody reads them now
             self._snapshots.forget_others()
@@ -699,7 +701,7 @@ class Checkpointer:
         if extra is not None and extra_state is not None:
             extra.set_state(extra_state)
         if loader is not None and loader_state is not None:
-            loader.set_state(loader_state)
+            self._set_loader(loader, loader_state, step)
         elif loader is not None:
             warnings.warn(
                 f"Checkpoint step {step} in {self.directory} has no data loader position (it was saved without a "
@@ -711,6 +713,22 @@ class Checkpointer:
         self._step = self._last_saved = step
         progress.set_step(step)
         return (new_state, loader) if loader is not None else new_state
+
+    def _set_loader(self, loader, loader_state, step: int) -> None:
+        """``loader.set_state`` of a restored position; one it refuses is refused naming where it was read."""
+        try:
+            loader.set_state(loader_state)
+        except Exception as error:
+            where = (
+                f"the in-memory snapshot of step {step} ({self._snapshots.folder})"
+                if self.restored_from in ("memory", "peer") and self._snapshots is not None
+                else f"the file {step}/{restore.LOADER}/metadata in {self.directory}"
+            )
+            raise ValueError(
+                f"The data loader position saved in {where} cannot be restored into this loader "
+                f"({type(error).__name__}: {error}). If the data setup changed, use another directory; if the "
+                "file is damaged, move that step aside and restore the one before."
+            ) from error
 
     def _restore_from_disk(self, state: TrainState, loader, extra):
         """``restore_or_init``'s disk part: the newest checkpoint that loads on every process (agreed), each one

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -61,15 +62,33 @@ def _pid_alive(pid: int, started: str | None) -> bool:
 
 
 def describe(owner: dict, age_s: float | None = None) -> str:
-    """The owner as a user reads it: pid 1234 on host-a (since 12:03:04, heartbeat 3 s ago)."""
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("taken", 0)))
-    text = f"pid {owner.get('pid')} on {owner.get('host')!r}"
+    """The owner as a user reads it: pid 1234 on host-a (since 12:03:04, heartbeat 3 s ago); a lease file that
+    cannot be read (being written, or damaged) says so."""
+    if not _well_formed(owner):
+        text = "an owner its lease file does not name (the file is being written, or damaged)"
+        return text + (f", last heartbeat {age_s:.0f} s ago" if age_s is not None else "")
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["taken"]))
+    text = f"pid {owner['pid']} on {owner['host']!r}"
     if owner.get("processes", 1) > 1:
         text += f" (process 0 of {owner['processes']})"
     text += f", since {since}"
     if age_s is not None:
         text += f", last heartbeat {age_s:.0f} s ago"
     return text
+
+
+def _well_formed(owner: dict) -> bool:
+    """Whether ``owner`` has the fields a lease file is written with, of their types (a read one may be damaged)."""
+    return (
+        isinstance(owner.get("id"), str)
+        and isinstance(owner.get("host"), str)
+        and type(owner.get("pid")) is int
+        and owner["pid"] > 0
+        and (owner.get("started") is None or isinstance(owner.get("started"), str))
+        and type(owner.get("processes", 1)) is int
+        and isinstance(owner.get("taken"), int | float)
+        and 0 <= owner["taken"] < float("inf")
+    )
 
 
 class Lease:
@@ -97,19 +116,20 @@ class Lease:
         """The current owner and the heartbeat's age in seconds; (None, None) without a lease file."""
         try:
             age = max(time.time() - self.path.stat().st_mtime, 0.0)
-            text = self.path.read_text()
         except FileNotFoundError:
             return None, None
         try:
-            owner = json.loads(text)
-        except ValueError:
+            owner = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError):  # a directory in its place, unreadable, cut short, garbage
             owner = None
         # Being written (created, not yet filled) or damaged: judged by its heartbeat alone.
-        return (owner if isinstance(owner, dict) else {}), age
+        return (owner if isinstance(owner, dict) and _well_formed(owner) else {}), age
 
     def stale_reason(self, owner: dict, age_s: float | None) -> str | None:
         """Why the lease of ``owner`` may be taken over, or None while it is live."""
-        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+        if owner and owner["host"] == socket.gethostname():
             if not _pid_alive(owner["pid"], owner.get("started")):
                 return f"its owner, pid {owner['pid']} on this host, no longer runs"
         if age_s is not None and age_s > self.timeout_s:
@@ -135,7 +155,10 @@ class Lease:
                     os.rename(self.path, aside)  # atomic: of two writers taking over, one wins
                 except FileNotFoundError:
                     continue
-                aside.unlink(missing_ok=True)
+                if aside.is_dir() and not aside.is_symlink():  # a directory in the lease's place
+                    shutil.rmtree(aside, ignore_errors=True)
+                else:
+                    aside.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(self.owner, f)
@@ -154,8 +177,8 @@ class Lease:
             f"Checkpoint directory {str(directory)!r} is being written by another run: {describe(owner, age_s)}. "
             "Two writers on one directory delete each other's checkpoints. To read its checkpoints while it "
             f"trains, open it with jddp.Checkpointer({str(directory)!r}, read_only=True); to write, stop that run "
-            f"or choose another directory. If no run owns it any more, its lease becomes stale "
-            f"{self.timeout_s:g} s after its last heartbeat, or delete {str(self.path)!r}."
+            f"or choose another directory. If no run owns it any more, its lease file {str(self.path)!r} becomes "
+            f"stale {self.timeout_s:g} s after its last heartbeat, or delete it."
         )
 
     def check(self) -> None:

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 
 from jddp._version import __version__
 from jddp.checkpoint import digest, storage
-from jddp.checkpoint.restore import EXTRA, LOADER, META, STATE
+from jddp.checkpoint.restore import EXTRA, LOADER, META, META_FORMAT, STATE
 
 # Checkpointers opened in this process, by directory: the n-th of a directory gets its n-th barrier prefix.
 _OPENED: collections.Counter[str] = collections.Counter()
@@ -77,6 +77,7 @@ def step_meta(step: int, tree: dict, layouts: list, *, fingerprint: str | None, 
     """The ``meta`` item of ``step``: counts, versions, the run that wrote it, the config and its fingerprint, the
     leaves; its ``"digests"`` a future the caller sets (``digest.MetaHandler`` reads it in the background)."""
     return {
+        "format": META_FORMAT,
         "step": step,
         "run": run,  # jddp.checkpoint.identity
         "processes": jax.process_count(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import math
 import shutil
 import warnings
 from typing import Any
@@ -17,6 +18,7 @@ from jddp.checkpoint.errors import CheckpointWarning
 from jddp.runtime.state import TrainState
 
 STATE, LOADER, META, EXTRA = "state", "loader", "meta", "extra"
+META_FORMAT = 1  # the meta item's "format" (absent: written before it had one, read as 1)
 DAMAGED_SUFFIX = ".damaged"
 ORBAX_STRUCTURE_MISMATCH = "tree structures do not match"  # Orbax's words when the saved tree is another one
 MSG_POSITION_NOT_RESTORED = (
@@ -33,13 +35,64 @@ def as_dict(state: TrainState) -> dict[str, Any]:
 
 
 def read_meta(directory, step: int) -> tuple[dict | None, str | None]:
+    """The step's ``meta`` item and None, or None and why it cannot be used (damage: the step is set aside).
+
+    Raises:
+      ValueError: for a ``meta`` of a newer format (written by a newer jddp: not damage), naming the file.
+    """
     path = directory / str(step) / META / "metadata"
+    name = f"{step}/{META}/metadata"
     try:
-        return json.loads(path.read_text()), None
+        meta = json.loads(path.read_text())
     except FileNotFoundError:
-        return None, f"its metadata file {path.relative_to(directory)} is missing"
-    except (OSError, ValueError) as error:
-        return None, f"its metadata cannot be read ({type(error).__name__}: {error})"
+        return None, f"its metadata file {name} is missing"
+    except (OSError, ValueError) as error:  # cut short, garbage, a directory in its place, not UTF-8
+        return None, f"its metadata cannot be read ({name}: {type(error).__name__}: {error})"
+    why = _meta_problem(meta, step)
+    if why is not None:
+        return None, f"its metadata file {name} {why}"
+    if meta.get("format", META_FORMAT) != META_FORMAT:
+        raise ValueError(
+            f"Checkpoint step {step} in {directory} was written in format {meta['format']} of its metadata file "
+            f"{name}, and this jddp reads format {META_FORMAT}: it was saved by a newer jddp. Restore it with that "
+            "version, or use another directory."
+        )
+    return meta, None
+
+
+def _meta_problem(meta, step: int) -> str | None:
+    """What makes a ``meta`` item unusable (the fields a restore reads, by type), or None."""
+    if not isinstance(meta, dict):
+        return f"holds a JSON {type(meta).__name__}, not an object"
+    leaves = meta.get("leaves")
+    checks = {
+        "step": meta.get("step") == step and type(meta.get("step")) is int,
+        "format": type(meta.get("format", META_FORMAT)) is int,
+        "run": meta.get("run") is None or isinstance(meta.get("run"), str),
+        "config_fingerprint": meta.get("config_fingerprint") is None or isinstance(meta["config_fingerprint"], str),
+        "config": meta.get("config") is None or isinstance(meta.get("config"), dict),
+        "leaves": isinstance(leaves, list)
+        and all(
+            isinstance(leaf, list)
+            and len(leaf) >= 3
+            and isinstance(leaf[0], str)
+            and isinstance(leaf[1], list)
+            and all(type(n) is int and n >= 0 for n in leaf[1])
+            and isinstance(leaf[2], str)
+            for leaf in leaves
+        ),
+        "digests": isinstance(meta.get("digests"), list)
+        and isinstance(leaves, list)
+        and len(meta["digests"]) == len(leaves)
+        and all(isinstance(d, str) for d in meta["digests"]),
+        "empty_nodes": isinstance(meta.get("empty_nodes", []), list)
+        and all(isinstance(p, str) for p in meta.get("empty_nodes", [])),
+        "padded": isinstance(meta.get("padded", False), bool),
+    }
+    bad = next((field for field, ok in checks.items() if not ok), None)
+    if bad is None:
+        return None
+    return f"has {bad}={str(meta.get(bad, '(missing)'))[:80]}, not what jddp writes there (damaged)"
 
 
 def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
@@ -53,7 +106,7 @@ def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
     saved_run, run = meta.get("run"), ckpt.run_id
     if saved_run and run and saved_run != run:  # a step without one: saved by an older jddp, in this directory
         message = (
-            f"Checkpoint step {step} in {ckpt.directory} was written by "
+            f"Checkpoint step {step} in {ckpt.directory} (its {step}/{META}/metadata) was written by "
             f"{identity.describe(saved_run, meta.get('config_fingerprint'))}, and the directory belongs to "
             f"{identity.describe(run, ckpt.fingerprint)} (its {identity.FILENAME}): another run's state, copied "
             "in or left behind. Pass allow_other_run=True to start from it anyway, or use another directory."
@@ -121,6 +174,36 @@ def _with_fix(path: str, what: str) -> str:
     return f"another model: {what}. Restore into the model that was saved, or use another directory."
 
 
+def loader_state_problem(saved: Any, current: Any) -> str | None:
+    """What makes a saved loader position unusable by a loader whose own position is ``current`` (its
+    ``get_state()``): another JSON shape (not an object, other keys, a field of another type: NaN where a count
+    was, a string where a number was); None when it has the shape of ``current``. Its values are the loader's to
+    judge (``set_state``: another data setup)."""
+    if not isinstance(current, dict):
+        return None if type(saved) is type(current) else f"a JSON {type(saved).__name__}, expected an object"
+    if not isinstance(saved, dict):
+        return f"a JSON {type(saved).__name__}, expected an object"
+    if set(saved) != set(current):
+        return f"the fields {sorted(saved)}, expected {sorted(current)}"
+    for key, now in current.items():
+        value = saved[key]
+        kinds = (int, float) if type(now) is float else (type(now),)
+        if type(value) not in kinds or (isinstance(value, float) and not math.isfinite(value)):
+            return f"{key}={str(value)[:40]!r}, expected a {type(now).__name__}"
+    return None
+
+
+def _read_loader(directory, step: int, loader) -> str | None:
+    """Why the step's loader position cannot be used by ``loader``, naming its file; None when it can."""
+    name = f"{step}/{LOADER}/metadata"
+    try:
+        saved = json.loads((directory / name).read_text())
+    except (OSError, ValueError) as error:  # missing, cut short, garbage, a directory in its place
+        return f"its loader position file {name} cannot be read ({type(error).__name__}: {error})"
+    why = loader_state_problem(saved, loader.get_state())
+    return None if why is None else f"its loader position file {name} holds {why}"
+
+
 def try_restore(
     manager, directory, step: int, meta: dict, state: TrainState, loader, extra=None, read_only: bool = False
 ) -> tuple[Any, str | None]:
@@ -136,6 +219,9 @@ def try_restore(
     items: dict[str, ocp.args.CheckpointArgs] = {STATE: ocp.args.StandardRestore(abstract, strict=not padded)}
     has_loader = (directory / str(step) / LOADER).exists()
     if loader is not None and has_loader:
+        why = _read_loader(directory, step, loader)
+        if why is not None:
+            return None, why
         items[LOADER] = ocp.args.JsonRestore()
     if extra is not None and (directory / str(step) / EXTRA).exists():
         items[EXTRA] = ocp.args.JsonRestore()

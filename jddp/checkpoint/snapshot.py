@@ -68,6 +68,14 @@ def _key(directory) -> str:
     return hashlib.sha1(str(directory).encode()).hexdigest()[:16]
 
 
+def _remove(path: Path) -> None:
+    """Removes a snapshot's file, or a directory found in its place (damage)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def choose(rows: np.ndarray) -> list[int]:
     """The snapshot steps a restore tries, newest first: those every process holds complete, not older than the
     newest checkpoint on disk.
@@ -257,6 +265,9 @@ class Snapshots(snapshot_interval.Interval):
         os.replace(target, self.folder / f"{pending.step}{SUFFIX}")
         complete = self.steps()
         for old in complete[KEEP:]:
+            if (self.folder / f"{old}{SUFFIX}").is_dir():  # a directory in a snapshot's place: never a spare
+                _remove(self.folder / f"{old}{SUFFIX}")
+                continue
             os.replace(self.folder / f"{old}{SUFFIX}", spare)
         clock("rename")
         self.taken += 1
@@ -288,8 +299,8 @@ class Snapshots(snapshot_interval.Interval):
         path = self.folder / f"{step}{SUFFIX}"
         try:
             return decode(np.fromfile(path, np.uint8), step, tree, fingerprint, run=self.run)
-        except snapshot_format.Unusable:
-            raise
+        except snapshot_format.Unusable as error:
+            raise type(error)(f"{path}: {error}") from error
         except (OSError, *snapshot_format.DAMAGE) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
 
@@ -305,8 +316,8 @@ class Snapshots(snapshot_interval.Interval):
         try:
             file = np.fromfile(path, np.uint8)
             decode(file, step, tree, fingerprint, run=self.run, whole=True)
-        except snapshot_format.Unusable:
-            raise
+        except snapshot_format.Unusable as error:
+            raise type(error)(f"{path}: {error}") from error
         except (OSError, *snapshot_format.DAMAGE) as error:
             raise Unusable(f"snapshot {path} cannot be read ({type(error).__name__}: {error})") from error
         return file
@@ -331,13 +342,13 @@ class Snapshots(snapshot_interval.Interval):
 
     def discard(self, step: int) -> None:
         """Removes this process's snapshot of ``step`` (another run's: it can never be restored here)."""
-        (self.folder / f"{step}{SUFFIX}").unlink(missing_ok=True)
+        _remove(self.folder / f"{step}{SUFFIX}")
 
     def drop_after(self, step: int) -> None:
         """Removes this process's snapshots newer than ``step`` (the restored one): another timeline's."""
         for s in self.steps():
             if s > step:
-                (self.folder / f"{s}{SUFFIX}").unlink(missing_ok=True)
+                _remove(self.folder / f"{s}{SUFFIX}")
 
     # -------------------------------------------------------------- closing
     def close(self, *, remove: bool) -> None:

@@ -27,6 +27,7 @@ def from_memory(
     fingerprint: str | None,
     latest_step: Callable[[], int | None],
     run: str | None = None,
+    loader=None,
 ) -> tuple[Restored, str] | None:
     """The newest in-memory snapshot step that every process holds complete and that is not older than the
     newest checkpoint on disk (``latest_step``), restored as ``restore.try_restore`` restores a disk step, and
@@ -45,7 +46,7 @@ def from_memory(
         assert snaps is not None  # every process holds the step
         try:
             tree, loader_state, extra_state = snaps.load(step, restore.as_dict(state), fingerprint)
-            reason = None
+            reason = _loader_problem(loader, loader_state, snaps.folder / f"{step}{snapshot.SUFFIX}")
         except snapshot_format.OtherRun as error:
             reason = str(error)
             snaps.discard(step)
@@ -58,12 +59,17 @@ def from_memory(
             f"The in-memory snapshot of step {step} cannot be used ({reason or 'not on another process'}); "
             "trying an older one, then the checkpoints on disk."
         )
-    restored = from_a_peer(snaps, state, fingerprint, rows, run)
+    restored = from_a_peer(snaps, state, fingerprint, rows, run, loader)
     return None if restored is None else (restored, "peer")
 
 
 def from_a_peer(
-    snaps: snapshot.Snapshots | None, state: TrainState, fingerprint: str | None, rows: np.ndarray, run: str | None
+    snaps: snapshot.Snapshots | None,
+    state: TrainState,
+    fingerprint: str | None,
+    rows: np.ndarray,
+    run: str | None,
+    loader=None,
 ) -> Restored | None:
     """When no step is held by every process (a process whose host's memory was lost, a replaced host): the
     newest step some process holds, not older than the disk's, sent to every process from the first that
@@ -91,7 +97,7 @@ def from_a_peer(
         tree, loader_state, extra_state = snapshot_format.decode(
             blob, step, restore.as_dict(state), fingerprint, run=run, whole=True
         )
-        reason = None
+        reason = _loader_problem(loader, loader_state, f"the snapshot of step {step} sent by process {holder}")
     except snapshot_format.Unusable as error:
         reason = str(error)
     if not preemption.all_agree(reason is None):
@@ -146,6 +152,15 @@ def _sent(
     with watchdog.waiting():
         blob = multihost_utils.broadcast_one_to_all(file if mine else np.zeros(size, np.uint8), is_source=mine)
     return np.asarray(blob, np.uint8), None
+
+
+def _loader_problem(loader, loader_state, where) -> str | None:
+    """Why a snapshot's loader position cannot be used by ``loader`` (``restore.loader_state_problem``), naming
+    the snapshot; None when it can, or when nothing is restored into a loader."""
+    if loader is None or loader_state is None:
+        return None
+    why = restore.loader_state_problem(loader_state, loader.get_state())
+    return None if why is None else f"{where}: its loader position holds {why}"
 
 
 def _gathered(row: np.ndarray) -> np.ndarray:
