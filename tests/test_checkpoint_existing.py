@@ -81,3 +81,20 @@ def test_a_bad_choice_is_refused_naming_it(tmp_path, bad):
     with pytest.raises((TypeError, ValueError), match="on_existing"):
         jddp.Checkpointer(tmp_path, on_existing=bad)
     assert not tmp_path.joinpath("jddp.lease").exists()
+
+
+@pytest.mark.multiprocess  # two worker processes, twice
+@pytest.mark.parametrize(
+    ("on_existing", "expected"),
+    [("refuse", "refused 1.0"), ("overwrite", "saved 2.0"), ("keep", "saved+warned 1.0")],
+)
+def test_in_a_group_every_process_takes_the_same_decision(tmp_path, on_existing, expected):
+    """Two processes save step 0 (weights 1), then two new ones save step 0 again (weights 2): every process
+    refuses, replaces (process 0 removes, all wait, all read the directory afresh) or keeps, and the group ends."""
+    from tests import multiprocess
+
+    worker = str(multiprocess.WORKERS / "ckpt_existing.py")
+    for scale, mode, said in (("1", "refuse", "saved 1.0"), ("2", on_existing, expected)):
+        codes, outputs = multiprocess.collect(multiprocess.spawn(worker, 2, 1, str(tmp_path), scale, mode), 300)
+        assert codes == [0, 0], multiprocess.show(codes, outputs)
+        assert f"OUTCOME {said}" in outputs[0], multiprocess.show(codes, outputs)
