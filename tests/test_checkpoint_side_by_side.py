@@ -88,6 +88,33 @@ def test_each_checkpointer_gets_its_own_barrier_prefix_the_same_on_every_process
     assert first[2].rsplit("-", 1)[0] == first[0].rsplit("-", 1)[0] and n == int(first[0].rsplit("-", 1)[1]) + 1
 
 
+def test_two_open_checkpointers_wait_at_barriers_of_different_names(tmp_path):
+    """In this process (where a semantic mutant applies; the 2-process test's workers are processes of their own):
+    the barrier that collided, as each open manager's background write names it, differs between two
+    Checkpointers, and between two of one directory (a writer and a reader)."""
+    import jddp
+
+    opened = [
+        jddp.Checkpointer(tmp_path / "epoch"),
+        jddp.Checkpointer(tmp_path / "best"),
+        jddp.Checkpointer(tmp_path / "epoch", read_only=True),
+    ]
+    try:
+        keys = set()
+        for ckpt in opened:
+            tracker = ckpt._manager._save_progress_tracker  # Orbax's MultihostSynchronizedValue: its set() collided
+            prefix = tracker._multiprocessing_options.barrier_sync_key_prefix
+            keys.add(
+                orbax.checkpoint.multihost.unique_barrier_key(
+                    "ThreadSaveMultiHostValueHolder:set_value_start", prefix=prefix
+                )
+            )
+        assert len(keys) == len(opened), keys
+    finally:
+        for ckpt in opened:
+            ckpt.close()
+
+
 @pytest.mark.multiprocess  # two worker processes
 @pytest.mark.slow  # 200 steps, two saves each: about a minute on a loaded 2-core machine
 def test_two_checkpointers_save_every_step_for_200_steps_in_two_processes(tmp_path):
