@@ -48,6 +48,8 @@ _EXPORTS = {
     "CheckpointError": "jddp.checkpoint",
     "CheckpointLeaseError": "jddp.checkpoint",
     "CheckpointWarning": "jddp.checkpoint",
+    "CheckpointStepExistsError": "jddp.checkpoint",
+    "register_flush": "jddp.runtime.flush",
     "fit": "jddp.loop",
     "FitResult": "jddp.loop",
 }
@@ -60,6 +62,7 @@ __all__ = [
     "EXIT_STALLED",
     "CheckpointError",
     "CheckpointLeaseError",
+    "CheckpointStepExistsError",
     "CheckpointWarning",
     "Checkpointer",
     "CommReport",
@@ -93,6 +96,7 @@ __all__ = [
     "phase",
     "process_count",
     "process_index",
+    "register_flush",
     "replicated",
     "simulate_cpu_devices",
 ]
@@ -116,7 +120,13 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from jddp import config, data, models
-    from jddp.checkpoint import Checkpointer, CheckpointError, CheckpointLeaseError, CheckpointWarning
+    from jddp.checkpoint import (
+        Checkpointer,
+        CheckpointError,
+        CheckpointLeaseError,
+        CheckpointStepExistsError,
+        CheckpointWarning,
+    )
     from jddp.engine.comm import CommReport
     from jddp.engine.metrics import Metrics, RunningMeans
     from jddp.engine.own_step import average_gradients, data_parallel, global_mean
@@ -136,6 +146,7 @@ if TYPE_CHECKING:
         simulate_cpu_devices,
     )
     from jddp.runtime.distributed import ProcessGroup, barrier, initialize
+    from jddp.runtime.flush import register_flush
     from jddp.runtime.host import host_all_gather, host_all_reduce, host_broadcast
     from jddp.runtime.progress import heartbeat, phase
     from jddp.runtime.state import TrainState

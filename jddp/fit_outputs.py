@@ -74,7 +74,9 @@ class Outputs:
                 self.record({**at, "split": "goodput", **account}, history=False)
                 goodput_ledger.close(path)
             return
-        accounts = goodput_ledger.ledger_accounts(sorted(self.ledger.directory.glob("attempt-*.ledger")))
+        # A ledger damaged since (a disk, a hand) is set aside with a warning, as at the start: no error at the end
+        found = sorted(self.ledger.directory.glob("attempt-*.ledger"))
+        accounts = goodput_ledger.ledger_accounts(goodput_ledger.usable(found))
         self.record({**at, "split": "goodput", **accounts[-1]}, history=False)  # this attempt's: the run's last
         goodput_ledger.close(self.ledger.path)
         total = goodput_accounts.Total.of(accounts, self.run_id)  # what `jddp goodput` shows for the same span

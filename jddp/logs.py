@@ -127,16 +127,30 @@ def summary_writer(log_dir: Path, purge_step: int):
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a ``metrics.jsonl``; a last line cut by a kill is ignored."""
+    """The records of a ``metrics.jsonl``; a last line cut by a kill is ignored, and so is a line that is not a
+    JSON object (a hand's note).
+
+    Raises:
+      ValueError: a line that is not JSON before the last one (the file damaged, not cut by a kill), naming the file
+        and the line: the records after it would otherwise be lost without a word.
+    """
     path = Path(path)
     if not path.exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            break  # only the last line can be partial: records are written whole and flushed in order
+            if number == len(lines):
+                break  # only the last line can be partial: records are written whole and flushed in order
+            raise ValueError(
+                f"{path} line {number} is not JSON ({line[:60]!r}) but {len(lines) - number} line(s) follow it: the "
+                "file is damaged, not cut by a kill. Remove or repair that line (or move the file aside) to go on."
+            ) from None
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
@@ -150,7 +164,7 @@ def keep_until(path: Path, step: int, run: str = "") -> list[dict]:
     kept = [
         r
         for r in read_metrics(path)
-        if r["step"] <= step or str(r.get("split", "")).startswith("goodput") or r.get("run", "") != run
+        if r.get("step", -1) <= step or str(r.get("split", "")).startswith("goodput") or r.get("run", "") != run
     ]
     if len(kept) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp")

@@ -33,11 +33,25 @@ def run_dir(log_dir: str | os.PathLike, run: str) -> Path:
 
 
 def run_info(log_dir: str | os.PathLike, run: str) -> dict:
-    """The run's ``run.json`` (``{}`` when missing or unreadable)."""
+    """The run's ``run.json`` (``{}`` when missing, unreadable or not what jddp writes)."""
+    return _read_info(run_dir(log_dir, run) / RUN_FILE)
+
+
+def _read_info(path: Path) -> dict:
+    """``run.json`` as jddp writes it (an object with a finite ``created`` and a list of ``launchers``), else ``{}``:
+    a file damaged or edited by hand is ignored, never a Python error (the run is then chosen as if it had none)."""
     try:
-        return json.loads((run_dir(log_dir, run) / RUN_FILE).read_text())
+        info = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(info, dict):
+        return {}
+    created, launchers = info.get("created"), info.get("launchers")
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        return {}
+    if not isinstance(launchers, list):
+        return {}
+    return info
 
 
 def runs(log_dir: str | os.PathLike) -> list[str]:
@@ -69,10 +83,7 @@ def choose_run(log_dir: str | os.PathLike, resumed: str | None) -> tuple[str, st
 def note_run(directory: Path, run: str) -> None:
     """Writes (or extends) the run's ``run.json``: its id, creation time and the launcher running it."""
     path = directory / RUN_FILE
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
-        info = {"run": run, "created": time.time(), "launchers": []}
+    info = _read_info(path) or {"run": run, "created": time.time(), "launchers": []}
     launcher = envvars.get("JDDP_RUN_START")
     if launcher is not None and launcher not in info["launchers"]:
         info["launchers"].append(launcher)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import io
 import itertools
 import math
 import pkgutil
@@ -254,6 +255,7 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.data_parallel": lambda c: Call(
         jddp.data_parallel, {"fn": lambda state, batch: state, "batch_argnums": 1, "mesh": c.mesh, "rng": None}
     ),
+    "jddp.register_flush": lambda c: Call(jddp.register_flush, {"f": io.StringIO()}),
     "jddp.global_mean": lambda c: Call(jddp.global_mean, {"tree": {"a": jnp.ones(2)}}),
     "jddp.barrier": lambda c: Call(jddp.barrier, {"name": "probe", "timeout_s": 5.0}),
     "jddp.batch_sharding": lambda c: Call(jddp.batch_sharding, {"mesh": c.mesh}),

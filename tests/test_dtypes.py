@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 
 import jddp
@@ -77,3 +78,18 @@ def test_parameters_of_every_float_type_are_trainable_and_of_no_other(kind):
 @pytest.mark.parametrize("kind", ["U3", "O", "V8", "M8[s]"])
 def test_what_is_not_a_number_is_still_refused(kind):
     assert not validate.goes_to_device(kind)
+
+
+@pytest.mark.parametrize("name", ["compute_dtype", "reduce_dtype"])
+def test_float64_without_x64_is_refused_not_narrowed(monkeypatch, name):
+    """Without jax_enable_x64 JAX computes float64 in float32 without a word: the engine refuses it, naming the
+    argument and the fix; with x64 on it is taken."""
+
+    def loss_fn(p, m, b, r):
+        return jnp.mean(b["x"] @ p["w"]), (m, {})
+
+    monkeypatch.setattr(checks, "_x64", lambda: False)
+    with pytest.raises(ValueError, match=rf"`{name}=float64` needs 64-bit floats.*jax_enable_x64"):
+        jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(), **{name: jnp.float64})
+    monkeypatch.setattr(checks, "_x64", lambda: True)
+    jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=jddp.data_mesh(), **{name: jnp.float64})

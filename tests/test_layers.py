@@ -31,6 +31,7 @@ BOTTOM = (
     "jddp.envvars",
     "jddp.handoff",
     "jddp.placement",  # the host's inventory and the processes' devices: the launcher's and the runtime's, no JAX
+    "jddp.process_start",  # when this process started (goodput's span), read at `import jddp`: no JAX
 )
 LAYERS = {
     **{name: "bottom" for name in BOTTOM},
@@ -47,6 +48,7 @@ LAYERS = {
     "jddp.goodput_accounts": "fit",
     "jddp.fit_loop": "fit",
     "jddp.fit_outputs": "fit",
+    "jddp.fit_bar": "fit",
     "jddp.benchmark": "cli",  # the models and worker of `jddp bench`
     "jddp.cli": "cli",
     "jddp.launch": "cli",

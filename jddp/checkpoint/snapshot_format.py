@@ -2,9 +2,10 @@
 into one buffer per device, and a file's bytes decoded back into arrays.
 
 A file: 8 bytes (little-endian header length), the header (JSON: the step, the process and device counts, the
-run that wrote it (``jddp.checkpoint.identity``) and its config fingerprint, every leaf's path, shape and dtype, every local shard's index, offset and size, a CRC-32 of the
-data, the loader position and ``extra``), then the data: the process's local shards (one copy of a replicated leaf,
-each distinct shard of a split one), as bytes. ``jddp.checkpoint.snapshot`` writes them.
+run that wrote it (``jddp.checkpoint.identity``) and its config fingerprint, every leaf's path, shape and dtype,
+every local shard's index, offset and size, a CRC-32 of the data, the loader position and ``extra``), then the
+data: the process's local shards (one copy of a replicated leaf, each distinct shard of a split one), as bytes.
+``jddp.checkpoint.snapshot`` writes them.
 """
 
 from __future__ import annotations

@@ -78,6 +78,14 @@ class Options:
                 "`compute_dtype` must be a float dtype such as jnp.bfloat16 (the forward and backward pass in it, "
                 f"params and optimizer state kept in theirs) or None, got compute_dtype={self.compute_dtype!r}."
             )
+        for name in ("compute_dtype", "reduce_dtype"):  # a dtype the backend would narrow without a word
+            value = getattr(self, name)
+            if value is not None and is_float_dtype(value) and np.dtype(value).itemsize == 8 and not _x64():
+                raise ValueError(
+                    f"`{name}=float64` needs 64-bit floats, which JAX has off (jax_enable_x64): it would compute in "
+                    f"float32 without a word. Call jax.config.update('jax_enable_x64', True) before building the "
+                    f"arrays, or use {name}=jnp.float32."
+                )
         if self.loss_scaled and self.nonfinite == "ignore":
             raise ValueError(
                 f"`compute_dtype={np.dtype(self.compute_dtype).name}` scales the loss and must skip the steps whose "
@@ -93,6 +101,10 @@ class Options:
                 f"`rng` must be 'example' (an example's random draws follow its place in the global batch) or "
                 f"'device' (one key per device), got rng={self.rng!r}."
             )
+
+
+def _x64() -> bool:
+    return bool(jax.config.read("jax_enable_x64"))
 
 
 def check_call(dp, state, batch, what: str = "batch", *, accumulated: bool = True) -> None:

@@ -112,8 +112,9 @@ def global_mean(tree):
             dtype = getattr(x, "dtype", type(x).__name__)
             raise TypeError(
                 f"jddp.global_mean averages float arrays (per-device means), but `tree` leaf "
-                f"{jax.tree_util.keystr(path)!r} in {name} is {dtype}. For a count or a sum use jax.lax.psum(x, 'data'); leave "
-                "non-trainable leaves out of the tree you average (optax.masked, or average only the gradients)."
+                f"{jax.tree_util.keystr(path)!r} in {name} is {dtype}. For a count or a sum use "
+                "jax.lax.psum(x, 'data'); leave non-trainable leaves out of the tree you average (optax.masked, "
+                "or average only the gradients)."
             )
     if shard is None:
         if _axis_bound():
