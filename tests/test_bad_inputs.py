@@ -723,7 +723,21 @@ CASES = [
         "save a dict",
         lambda e: e.writer.save({"params": 1}),
         TypeError,
-        r"`state` must be a jddp.TrainState, got dict",
+        r"`state` of Checkpointer.save holds no arrays, got dict",
+        open_writer,
+    ),
+    Case(
+        "save a state of one's own without its step",
+        lambda e: e.writer.save({"params": np.ones(3, np.float32)}),
+        TypeError,
+        r"Checkpointer.save needs the step of a dict state: pass `step=`",
+        open_writer,
+    ),
+    Case(
+        "save a TrainState with a step of one's own",
+        lambda e: e.writer.save(e.state, step=3),
+        TypeError,
+        r"`step` is for a state of your own .* drop step=3",
         open_writer,
     ),
     Case(
@@ -737,7 +751,7 @@ CASES = [
         "restore into a dict",
         lambda e: jddp.Checkpointer(e.disk, read_only=True).restore_or_init({"a": 1}),
         TypeError,
-        r"`state` must be a jddp.TrainState from DataParallel.init, got dict",
+        r"`state` of Checkpointer.restore_or_init holds no arrays, got dict",
     ),
     Case(
         "restore with a loader that is not one",

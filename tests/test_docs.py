@@ -147,10 +147,6 @@ def close_checkpointers(namespace: dict) -> None:
 # strict: the test fails here as soon as the block runs, and test_every_unmarked_block_is_in_the_docs once its first
 # line changes, so that the entry goes).
 NOT_YET_MARKED = {
-    ("docs/guides/porting.md", "import equinox as eqx"): (
-        "needs optax, dataset and x of the block before: its first line to be "
-        "`# continues: #From PyTorch DDP (minGPT-ddp) (its dataset and x; optax)`"
-    ),
 }
 
 

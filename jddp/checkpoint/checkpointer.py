@@ -52,7 +52,8 @@ from jddp.runtime.state import TrainState
 def _any_tree(method):
     """A state of the user's own (any pytree of arrays: a Flax ``TrainState``, an Equinox model and its optimizer
     state) taken where a ``TrainState`` is, with ``step=`` or its own ``step``; ``restore_or_init`` gives back a tree
-    of the same kind (``jddp.checkpoint.any_tree``)."""
+    of the same kind (``jddp.checkpoint.any_tree``). It is one frame more between the user and every warning of
+    these methods: their ``stacklevel``s count it."""
 
     @functools.wraps(method)
     def wrapper(self, state, *args, step=None, **kwargs):
@@ -467,7 +468,7 @@ class Checkpointer:
                 f"Checkpoint directory {str(self.directory)!r} already holds step {step}: it is kept and this "
                 "state is not saved (on_existing='keep').",
                 CheckpointWarning,
-                stacklevel=5,
+                stacklevel=6,
             )
             return False
         # "overwrite": Orbax writes no step that exists, so the old one goes first (process 0 removes it, all wait,
@@ -681,7 +682,7 @@ class Checkpointer:
             restored, failures = self._restore_from_disk(state, loader, extra)
         self.damaged.extend(failures)
         if restored is None and not failures and self.read_only:
-            warnings.warn(storage.nothing_to_read(self.directory), CheckpointWarning, stacklevel=3)
+            warnings.warn(storage.nothing_to_read(self.directory), CheckpointWarning, stacklevel=4)
         if restored is None and failures:
             listed = "; ".join(f"step {s}: {r}" for s, r in failures)
             kept = (
@@ -691,7 +692,7 @@ class Checkpointer:
                 f"No checkpoint in {self.directory} can be loaded ({listed}). {kept}; training starts again from "
                 f"the state passed in, at step {int(jax.device_get(state.step))}.",
                 CheckpointWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         self.stats["restore_s"] = time.perf_counter() - start
         if restored is None:
@@ -708,7 +709,7 @@ class Checkpointer:
                 "loader): the model, optimizer state and RNG are restored, and the loader starts from its "
                 "beginning. Pass the loader to save/maybe_save to save its position.",
                 CheckpointWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         self._step = self._last_saved = step
         progress.set_step(step)
@@ -767,7 +768,7 @@ class Checkpointer:
                 f"Checkpoint step {step} in {self.directory} cannot be used ({reason}); {what} and trying the "
                 "previous one.",
                 CheckpointWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
             if not self.read_only:
                 restore.set_aside(self.directory, step)

@@ -113,7 +113,7 @@ def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
         )
         if not ckpt.allow_other_run:
             raise ValueError(message)
-        warnings.warn(message, CheckpointWarning, stacklevel=6)
+        warnings.warn(message, CheckpointWarning, stacklevel=7)
     if ckpt.fingerprint and meta.get("config_fingerprint") and meta["config_fingerprint"] != ckpt.fingerprint:
         saved = meta.get("config", {})
         keys = sorted(k for k in set(saved) | set(ckpt.config) if saved.get(k) != ckpt.config.get(k))
@@ -124,7 +124,7 @@ def check_compatible(ckpt, step: int, meta: dict, state: TrainState) -> None:
         )
         if not ckpt.allow_config_change:
             raise ValueError(message)
-        warnings.warn(message, CheckpointWarning, stacklevel=6)  # restore_or_init._restore_from_disk: its caller
+        warnings.warn(message, CheckpointWarning, stacklevel=7)  # restore_or_init._restore_from_disk: its caller
 
 
 def structure_difference(theirs: list[list], mine: list[list]) -> str | None:
@@ -247,7 +247,7 @@ def try_restore(
     new_state = TrainState(**tree, opt_layout=state.opt_layout)
     found = {k: result[k] if k in items else None for k in (LOADER, EXTRA)}
     if loader is None and has_loader and not read_only:
-        warnings.warn(MSG_POSITION_NOT_RESTORED.format(step=step, directory=directory), CheckpointWarning, stacklevel=6)
+        warnings.warn(MSG_POSITION_NOT_RESTORED.format(step=step, directory=directory), CheckpointWarning, stacklevel=7)
     return (new_state, found[LOADER], found[EXTRA], step), None
 
 

@@ -176,4 +176,4 @@ def _gathered(row: np.ndarray) -> np.ndarray:
 
 def _warn(message: str) -> None:
     """A ``CheckpointWarning`` pointed at ``restore_or_init``'s caller, as the Checkpointer's own warnings are."""
-    warnings.warn(message, CheckpointWarning, stacklevel=5)
+    warnings.warn(message, CheckpointWarning, stacklevel=6)
