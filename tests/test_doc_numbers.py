@@ -47,7 +47,7 @@ TOLERANCE = re.compile(r"\d(?:\.\d+)?e-\d+|\bulp\b|bitwise|tests/test_\w+\.py", 
 # inside those words on that page passes; each entry must still occur.
 DEFINITIONS: tuple[tuple[str, str, str], ...] = (
     ("docs/guides/benchmarks.md", "an efficiency over 100%", "a bound no measurement can pass, not a measurement"),
-    ("docs/guides/benchmarks.md", "wider than 25% of", "jddp bench's spread threshold, a constant of jddp.benchmark.noise"),
+    ("docs/guides/benchmarks.md", "wider than 25% of", "jddp bench's spread threshold, a constant (benchmark.noise)"),
     ("docs/guides/fit.md", "`step 120/1000 (12%), 35.2 steps/s, loss=0.4321`", "the bar's line format, an example"),
     ("docs/guides/fit.md", "most every 10 s", "the bar's rate limit off a terminal, a constant of jddp.fit_bar"),
     ("docs/concepts.md", "at most 1 s apart", "the watchdog round's cap, a constant"),
