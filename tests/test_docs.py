@@ -146,8 +146,7 @@ def close_checkpointers(namespace: dict) -> None:
 # Blocks that need an earlier one and do not say so yet, by their page and first line (their owners add the line;
 # strict: the test fails here as soon as the block runs, and test_every_unmarked_block_is_in_the_docs once its first
 # line changes, so that the entry goes).
-NOT_YET_MARKED = {
-}
+NOT_YET_MARKED = {}
 
 
 def _first_line(block: Block) -> str:
