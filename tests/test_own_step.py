@@ -311,3 +311,22 @@ def test_donated_state_is_reused_and_named_when_passed_again():
     dispatch.DISPATCHER.drain()
     with pytest.raises(ValueError, match="donated to an earlier call"):
         step(*first[:2], batch)
+
+
+def test_a_python_number_in_the_state_is_traced_as_jit_traces_it():
+    """Flax's TrainState.create starts `step` at the Python int 0: traced (as jax.jit does), so the step counts on
+    the devices and compiles once; a static int would have compiled a program per step and never counted."""
+    tx = optax.chain(jddp.average_gradients(), optax.sgd(0.1))
+    params, batch = _plain_args()
+    state = train_state.TrainState.create(apply_fn=None, params={"w": params}, tx=tx)
+    assert state.step == 0 and isinstance(state.step, int)
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch["x"] @ p["w"] - batch["t"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads), jddp.global_mean(loss)
+
+    run = jddp.data_parallel(step, batch_argnums=1, mesh=_mesh(2))
+    for _ in range(3):
+        state, _ = run(state, batch)
+    assert isinstance(state.step, jax.Array) and int(state.step) == 3
+    assert len(run._programs) == 1

@@ -65,10 +65,10 @@ def _sst2(tmp_path: Path, name: str, devices: int, epochs: int, launch: bool = F
 
 
 def _sst2_params(workdir: Path):
-    from examples.sst2_port import original
+    from examples.sst2_port import train
 
-    config = original.Config()
-    template = original.create_train_state(jax.random.key(0), config, original.model_from_config(config))
+    config = train.Config()
+    template = train.create_train_state(jax.random.key(0), config, train.model_from_config(config))
     with jddp.Checkpointer(workdir / "ckpt", read_only=True) as reader:
         state = reader.restore_or_init(template)
     return int(state.step), [np.asarray(x) for x in jax.tree.leaves(state.params)]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -271,9 +272,13 @@ class DataParallelStep:
             )
         leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
         kinds, statics, donated, kept, batch = [], [], [], [], []
+        equinox = {i for i, arg in enumerate(args) if _holds_equinox_module(arg)}
         for path, x in leaves:
             argnum = path[0].idx  # pyright: ignore[reportAttributeAccessIssue]
             where = f"args[{argnum}]{jax.tree_util.keystr(path[1:])}"
+            state_number = argnum not in self.batch_argnums and argnum not in equinox
+            if state_number and isinstance(x, (bool, int, float, complex)):
+                x = jnp.asarray(x)  # jax.jit's rule: a Python number is traced (Flax's TrainState.step starts at 0)
             if argnum in self.batch_argnums:
                 if not isinstance(x, _ARRAYS):
                     raise TypeError(
@@ -448,9 +453,11 @@ def data_parallel(
     arguments in ``batch_argnums`` are batches: every leaf an array whose leading axis is the examples, split over
     the devices (a global ``jax.Array`` from ``jddp.data.DataLoader``, or NumPy: in a run of several processes,
     this process's part, as ``jax.make_array_from_process_local_data`` takes it). Every other array is state, held
-    whole on every device (placed there at its first call, from process 0's value); every leaf that is not an
-    array is static, compiled into the program, as ``eqx.filter_jit`` treats it (an Equinox module's activation,
-    a Python int). The outputs come back held whole on every device, static leaves as the step returned them.
+    whole on every device (placed there at its first call, from process 0's value); a Python number is traced, as
+    ``jax.jit`` traces it (Flax's ``TrainState.step`` starts as ``0``), except in an argument holding an Equinox
+    module, where it is static as ``eqx.filter_jit`` makes it; every other leaf that is not an array (a function,
+    a string) is static, compiled into the program. The outputs come back held whole on every device, static
+    leaves as the step returned them.
 
     Usable as a decorator: ``@jddp.data_parallel(batch_argnums=1)``.
 
@@ -500,6 +507,16 @@ def _argnums(name: str, value: Any, *, empty: bool) -> tuple[int, ...]:
     if len(set(items)) != len(items):
         raise ValueError(f"`{name}` names an argument twice: {value!r}.")
     return tuple(sorted(items))
+
+
+def _holds_equinox_module(arg) -> bool:
+    """Whether ``arg`` is or holds an Equinox module: its Python numbers are then static, as ``eqx.filter_jit`` makes
+    them (``hidden_size`` in a shape), where ``jax.jit`` (and everything else) traces them."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return False
+    nodes = jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, eqx.Module))
+    return any(isinstance(x, eqx.Module) for x in nodes)
 
 
 def _same_sharding(have, want, ndim: int) -> bool:
