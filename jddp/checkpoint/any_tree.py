@@ -3,11 +3,12 @@ Equinox model and its optimizer state, a tuple) saved and restored by the same `
 
 The tree travels inside a ``jddp.TrainState``: its array leaves, keyed by their paths (``['params']['Dense_0']
 ['kernel']``, so that a checkpoint of another model names the leaf that differs), are the state's ``params``; its
-step is ``step=`` or the tree's own ``step`` attribute (Flax's ``TrainState.step``); the leaves that are not arrays
-(an Equinox module's activation, a Python int, Flax's ``apply_fn``) are not saved and come back from the tree the
-restore is given, as ``eqx.filter``/``eqx.combine`` would. Arrays that are not yet laid out over the devices (a state
-fresh from ``init``, on one device) are placed whole on every device of ``jddp.data_mesh()`` first, as
-``jddp.data_parallel`` places them at its first call.
+step is ``step=`` or the tree's own ``step`` attribute (Flax's ``TrainState.step``). A Python number is saved as an
+array, as ``jax.jit`` traces it, except in a tree holding an Equinox module (static there, as ``eqx.filter_jit``
+makes it); the other leaves that are not arrays (an Equinox module's activation, Flax's ``apply_fn``) are not saved
+and come back from the tree the restore is given, as ``eqx.filter``/``eqx.combine`` would. Arrays that are not yet
+laid out over the devices (a state fresh from ``init``, on one device) are placed whole on every device of
+``jddp.data_mesh()`` first, as ``jddp.data_parallel`` places them at its first call.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def wrapped(tree: Any, step: int | None, what: str) -> tuple[state_lib.TrainStat
         ``what`` (the method) and the fix.
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not state_lib.holds_equinox_module(tree):  # a Python number is state, as jax.jit and data_parallel trace it
+        leaves = [(p, np.asarray(x) if isinstance(x, (bool, int, float)) else x) for p, x in leaves]
     arrays = {jax.tree_util.keystr(p) or "(the state)": x for p, x in leaves if isinstance(x, _ARRAYS)}
     if not arrays:
         raise TypeError(

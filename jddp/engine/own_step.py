@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -54,6 +53,7 @@ from jddp.engine import rng as rng_lib
 from jddp.engine import step as step_lib
 from jddp.runtime import dispatch, distributed, progress, standby, watchdog
 from jddp.runtime import mesh as mesh_lib
+from jddp.runtime import state as state_lib
 
 DATA = runtime.DATA_AXIS
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -272,7 +272,7 @@ class DataParallelStep:
             )
         leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
         kinds, statics, donated, kept, batch = [], [], [], [], []
-        equinox = {i for i, arg in enumerate(args) if _holds_equinox_module(arg)}
+        equinox = {i for i, arg in enumerate(args) if state_lib.holds_equinox_module(arg)}
         for path, x in leaves:
             argnum = path[0].idx  # pyright: ignore[reportAttributeAccessIssue]
             where = f"args[{argnum}]{jax.tree_util.keystr(path[1:])}"
@@ -507,16 +507,6 @@ def _argnums(name: str, value: Any, *, empty: bool) -> tuple[int, ...]:
     if len(set(items)) != len(items):
         raise ValueError(f"`{name}` names an argument twice: {value!r}.")
     return tuple(sorted(items))
-
-
-def _holds_equinox_module(arg) -> bool:
-    """Whether ``arg`` is or holds an Equinox module: its Python numbers are then static, as ``eqx.filter_jit`` makes
-    them (``hidden_size`` in a shape), where ``jax.jit`` (and everything else) traces them."""
-    eqx = sys.modules.get("equinox")
-    if eqx is None:
-        return False
-    nodes = jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, eqx.Module))
-    return any(isinstance(x, eqx.Module) for x in nodes)
 
 
 def _same_sharding(have, want, ndim: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import jax
@@ -27,6 +28,16 @@ MSG_DONATED = (
 def is_deleted(x: Any) -> bool:
     """Whether ``x`` is a concrete ``jax.Array`` whose buffers are gone (donated or deleted)."""
     return isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+
+
+def holds_equinox_module(tree: Any) -> bool:
+    """Whether ``tree`` is or holds an Equinox module, whose Python numbers are static (``eqx.filter_jit``'s rule: a
+    ``hidden_size`` in a shape) where ``jax.jit`` traces them: ``jddp.data_parallel`` and a checkpoint of any pytree
+    (``jddp.checkpoint.any_tree``) follow the one rule or the other."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return False
+    return any(isinstance(x, eqx.Module) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, eqx.Module)))
 
 
 def check_array(name: str, x: Any, *, real: bool = True) -> None:
