@@ -78,6 +78,7 @@ STEP = "jddp.engine.step:DeviceStep"
 MEMORY = "jddp/runtime/memory.py"
 BB = "tests/test_between_backward_and_update.py"
 LS, CT, AC = "tests/test_engine_loss_scale.py", "tests/test_engine_contracts.py", "tests/test_engine_accumulation.py"
+PORTING, OWN = "docs/guides/porting.md", "tests/test_own_step.py"
 ID, SBS, EX = (
     "tests/test_checkpoint_identity.py",
     "tests/test_checkpoint_side_by_side.py",
@@ -85,6 +86,32 @@ ID, SBS, EX = (
 )
 
 MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------------ your own train step
+    Mutant(
+        "own_step_average_of_averages",
+        PORTING,
+        "`jddp.average_gradients()` makes each device's gradient the mean over the global batch's real examples, "
+        "weighted by each device's count of them",
+        "each device's gradient weighted 1 instead of by its real examples (DDP's average of averages)",
+        (
+            _p(
+                "jddp.engine.own_step:global_mean",
+                ("[x * weight.astype(x.dtype) for x in values], weight", "values, weight * 0 + 1"),
+            ),
+        ),
+        (f"{OWN}::test_global_mean_is_the_weighted_mean_of_numpy",),
+    ),
+    Mutant(
+        "own_step_returns_device_0s_value",
+        PORTING,
+        "a value that still depends on the device's slice",
+        "an output that differs across devices comes back as device 0's, without a word",
+        (_p("jddp.engine.own_step:DataParallelStep._build", ("if differ:", "if False:")),),
+        (
+            f"{OWN}::test_a_step_that_averages_nothing_is_refused_naming_the_output",
+            f"{OWN}::test_a_metric_left_unaveraged_is_refused_naming_it",
+        ),
+    ),
     # ------------------------------------------------------------------ exact means
     Mutant(
         "average_of_averages",
