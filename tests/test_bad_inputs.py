@@ -721,7 +721,7 @@ CASES = [
     ),
     Case(
         "save a dict",
-        lambda e: e.writer.save({"params": 1}),
+        lambda e: e.writer.save({"params": "w"}),
         TypeError,
         r"`state` of Checkpointer.save holds no arrays, got dict",
         open_writer,
@@ -749,7 +749,7 @@ CASES = [
     ),
     Case(
         "restore into a dict",
-        lambda e: jddp.Checkpointer(e.disk, read_only=True).restore_or_init({"a": 1}),
+        lambda e: jddp.Checkpointer(e.disk, read_only=True).restore_or_init({"a": "w"}),
         TypeError,
         r"`state` of Checkpointer.restore_or_init holds no arrays, got dict",
     ),

@@ -538,7 +538,8 @@ def test_a_script_that_ends_without_close_still_writes_its_last_save(tmp_path, h
     done = run_script(NO_CLOSE, str(tmp_path), how)
     assert done.returncode == (0 if how == "returns" else 1), done.stderr[-3000:]
     assert "ended without closing the Checkpointer" in done.stderr and "(step 3)" in done.stderr, done.stderr
-    assert sorted(os.listdir(tmp_path)) == ["3"], os.listdir(tmp_path)  # the step, and no lease left
+    # the step and the run's id (jddp.run), and no lease left
+    assert sorted(os.listdir(tmp_path)) == ["3", "jddp.run"], os.listdir(tmp_path)
     with jddp.Checkpointer(tmp_path, read_only=True) as ckpt:
         mesh = jddp.data_mesh(jax.devices()[:2])
         dp = jddp.DataParallel(lambda p, ms, b, r: (0.0, (ms, {})), optax.adam(1e-2), mesh=mesh)
@@ -583,7 +584,7 @@ def test_a_preempted_process_exits_75_even_if_another_sigterm_comes_during_its_e
     kill by the signal. Seen in the suite under load as `killed by SIGTERM` after `exit 75`."""
     done = run_script(LATE_SIGTERM, str(tmp_path), how)
     assert done.returncode == exitcodes.EXIT_PREEMPTED, done.stderr[-3000:]
-    assert sorted(os.listdir(tmp_path)) == ["3"]
+    assert sorted(os.listdir(tmp_path)) == ["3", "jddp.run"]
 
 
 def test_steps_seen_published_are_no_longer_listed_as_unconfirmed(tmp_path):

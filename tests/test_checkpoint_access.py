@@ -102,7 +102,8 @@ def test_a_stale_lease_is_taken_over_and_a_live_one_is_not(tmp_path, owner, take
     with jddp.Checkpointer(tmp_path, lease_timeout_s=60):
         mine = json.loads(path.read_text())
         assert mine["pid"] == os.getpid() and mine["host"] == socket.gethostname()
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the stale file is not left aside either
+    # the stale file is not left aside either; the run's id (jddp.run) is the taker's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jddp.run"]
 
 
 def test_a_writer_whose_lease_was_taken_over_saves_nothing_more(tmp_path):

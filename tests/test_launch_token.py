@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,9 @@ def test_a_report_or_a_join_with_another_token_is_refused_and_named():
         with pytest.raises(reports.Refused, match=r"refused this launcher: its job token differs.*JDDP_JOB_TOKEN"):
             reports.Subscription(to, 1, OTHER, timeout_s=5)
         assert server.reports(0) == []
+        deadline = time.monotonic() + 30  # the server names a refusal in its own thread, after the client has read it
+        while len(said) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(said) == 2 and all("refused a connection from 127.0.0.1:" in s for s in said), said
         assert reports.send(to, reports.Report(1, 0, 3, "process 1 exited with code 3"), TOKEN)
         assert [r.code for r in server.reports(0)] == [3]

@@ -195,7 +195,10 @@ def test_elastic_under_srun_no_kill_loses_a_host_and_takes_it_back(tmp_path, alo
     out = tmp_path / "run"
     out.mkdir()
     # round 1 (on two) long enough for SLURM to find node3 down (about 15 s) and its return to be admitted (about 10)
-    env = {"FIT_TRAIN": FIT_TRAIN, "STEP_SLEEP": "0.15,0.6,0.15", **BATCHES}
+    # The returning host's launcher is another SLURM job's: it joins the run with the run's token, set for both jobs
+    # (a token derived from one job's id would refuse it, as a stray: jddp.cli.job_token).
+    token = {"JDDP_JOB_TOKEN": "elastic-test-" + "t" * 20}
+    env = {"FIT_TRAIN": FIT_TRAIN, "STEP_SLEEP": "0.15,0.6,0.15", **BATCHES, **token}
     logs = netns_bed.run(tmp_path, ELASTIC, str(out), hosts=3, timeout=600, env=env)
     said = logs["srun"]
     assert "round 1: 2 node(s), 2 process(es) (a node lost)" in said, said[-4000:]

@@ -53,6 +53,7 @@ CALLS = {
     "DataParallel.eval_step": lambda: float(dp.eval_step(state, batch)["loss"]),
     "DataParallel.evaluate": lambda: dp.evaluate(state, [batch]),
     "DataParallel.check_replicas": lambda: dp.check_replicas(state),
+    "data_parallel.check_replicas": lambda: jddp.data_parallel(lambda s, b: s, batch_argnums=1).check_replicas(state),
     "Checkpointer.save": lambda: checkpointer().save(state, wait=True),
     "Checkpointer.maybe_save": lambda: checkpointer().maybe_save(state),
     "Checkpointer.restore_or_init": lambda: checkpointer().restore_or_init(state),
