@@ -23,6 +23,7 @@ from jddp.checkpoint import checkpointer as _checkpointer  # noqa: F401
 from jddp.cli import launch as launch_lib
 from jddp.cli import output
 from jddp.engine import mpi
+from jddp.engine import own_step as _own_step  # noqa: F401
 from jddp.engine import parallel as _parallel  # noqa: F401
 from jddp.runtime import host as _host  # noqa: F401
 from jddp.runtime import progress as _progress
