@@ -52,10 +52,12 @@ def wrapped(tree: Any, step: int | None, what: str) -> tuple[state_lib.TrainStat
     counter = _step_of(tree, step, what)
     placed = _placed(arrays)
     sharding = NamedSharding(_mesh_of(placed), P())
-    if not (_on_mesh(counter) and counter.dtype == np.int32):  # Flax's step after a data_parallel step: as it is
-        counter = _put(np.asarray(jax.device_get(counter), np.int32), sharding)
+    if isinstance(counter, jax.Array) and _on_mesh(counter) and counter.dtype == np.int32:
+        placed_step = counter  # Flax's step after a data_parallel step: as it is, on the devices
+    else:
+        placed_step = _put(np.asarray(jax.device_get(counter), np.int32), sharding)
     state = state_lib.TrainState(
-        step=counter,
+        step=placed_step,
         params=placed,
         opt_state={},
         model_state={},
