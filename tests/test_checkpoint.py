@@ -515,6 +515,12 @@ for i in range(3):
 ckpt.save(state)
 if sys.argv[2] == "raise":
     raise RuntimeError("the script fails after its save")
+if sys.argv[2] == "dropped":  # a Checkpointer local to a function that returned: no reference of the script's left
+    import gc
+    if ckpt._pending is not None:
+        ckpt._pending.result()  # handed to Orbax: jddp's writer thread holds the Checkpointer no more
+    del ckpt
+    gc.collect()
 """
 
 
@@ -529,14 +535,15 @@ def run_script(code: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("how", ["returns", "raise"])
+@pytest.mark.parametrize("how", ["returns", "raise", "dropped"])
 @pytest.mark.multiprocess  # starts a process of its own
 def test_a_script_that_ends_without_close_still_writes_its_last_save(tmp_path, how):
     """torch.save habits: ``save`` and the end of the script, no ``close``. The async save is finished at exit
     (said on stderr), the lease given back; before, the step was lost with the interpreter, silently. Alone (no
-    group), an unhandled exception does not change that."""
+    group), an unhandled exception does not change that; nor does a Checkpointer the script no longer references
+    (made in a function that returned: Equinox's train_rnn port lost its step-50 save so, under load)."""
     done = run_script(NO_CLOSE, str(tmp_path), how)
-    assert done.returncode == (0 if how == "returns" else 1), done.stderr[-3000:]
+    assert done.returncode == (1 if how == "raise" else 0), done.stderr[-3000:]
     assert "ended without closing the Checkpointer" in done.stderr and "(step 3)" in done.stderr, done.stderr
     # the step and the run's id (jddp.run), and no lease left
     assert sorted(os.listdir(tmp_path)) == ["3", "jddp.run"], os.listdir(tmp_path)

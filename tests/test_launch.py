@@ -497,6 +497,19 @@ def test_a_collective_made_by_one_process_alone_is_named_with_the_call(call, tmp
     assert re.search(rf"cause, as process\(es\) \[[01, ]+\] found it: {re.escape(named)}", done.stderr), shown
 
 
+@pytest.mark.slow
+def test_a_process_that_exits_while_its_peer_waits_in_a_collective_of_the_scripts_own_is_named():
+    """The failure table's row: process 1 exits 0 while process 0 waits in ``multihost_utils.process_allgather``.
+    Gloo's key-value wait (30 s, fixed) fails first, then process 0 finds the peer gone within the peer timeout and
+    exits 69 naming it; the launcher exits 69 naming process 1, never 0, never a hang."""
+    worker = str(multiprocess.WORKERS / "exit_in_own_collective.py")
+    done = multiprocess.launch("-n", "2", "--peer-timeout", "10", worker, timeout=240)
+    shown = done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.returncode == exitcodes.EXIT_PEER_LOST, shown
+    assert "process 1 exited 0 at" in done.stderr and "while its peers still needed it" in done.stderr, shown
+    assert "process 0 returned after" not in done.stdout + done.stderr, shown
+
+
 def test_barrier_times_out_naming_the_missing_process():
     codes, outputs = multiprocess.collect(multiprocess.spawn(GROUP, 2, 1, "barrier"), timeout=120)
     assert codes == [0, 0], multiprocess.show(codes, outputs)

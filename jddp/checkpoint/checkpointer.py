@@ -422,6 +422,7 @@ class Checkpointer:
         # later, which is no failed write). Without this a long run's error listed every step it had saved.
         published = set(self._manager.all_steps())
         self._unconfirmed = [s for s in self._unconfirmed if s not in published] + [step]
+        _UNFINISHED.add(self)
         try:
             if self._writer is not None and handoff.on_cpu(saved):
                 digests.set_result(digest.digest_array(tree, layouts))
@@ -594,6 +595,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         self._unconfirmed = []
+        _UNFINISHED.discard(self)
 
     def close(self) -> None:
         """Waits for the last save and releases Orbax's resources, the lease and (when the last one closes) SIGTERM.
@@ -617,6 +619,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            _UNFINISHED.discard(self)
             with contextlib.suppress(Exception):  # a failed write's error is raised once, by the wait above
                 self._manager.close()
             if self._writer is not None:
@@ -774,6 +777,12 @@ class Checkpointer:
                 restore.set_aside(self.directory, step)
                 self._manager = self._open()
         return restored, failures
+
+
+# Checkpointers with a save started and not yet waited for: held here, so that one the script no longer references (a
+# Checkpointer local to a function that returned) is not collected with its last save unpublished and its lease
+# held; the exit hook (``_close_at_exit``) then still finds it. Left when a wait or close sees the saves published.
+_UNFINISHED: set[Checkpointer] = set()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
