@@ -67,7 +67,6 @@ class _Shard:
     weight: jax.Array  # this device's real examples over its rows (0..1), float32
     psum: Callable
     name: str  # the step's name, for errors
-    averages: int = 0
 
 
 def _current() -> _Shard | None:
@@ -128,7 +127,6 @@ def global_mean(tree):
     values = [x for _, x in leaves]
     weight = shard.weight
     summed, total = shard.psum(([x * weight.astype(x.dtype) for x in values], weight), DATA)
-    shard.averages += 1
     means = [reduce.safe_divide(s, total.astype(jnp.result_type(s.dtype, jnp.float32))).astype(s.dtype) for s in summed]
     return jax.tree.unflatten(treedef, means)
 
@@ -320,12 +318,9 @@ class DataParallelStep:
         devices = self.num_devices if all(isinstance(x, jax.Array) for x in leaves) else local
         shim = types.SimpleNamespace(num_devices=devices, options=types.SimpleNamespace(accumulate_steps=1))
         for i, arg in zip(self.batch_argnums, batch_args, strict=True):
-            arg_leaves = jax.tree.leaves(arg)
             what = f"args[{i}] of {self.name}"
-            if jax.process_count() > 1:  # NumPy parts are placed below; check_batch wants global arrays there
-                arg_leaves = [x for x in arg_leaves if isinstance(x, jax.Array)] or arg_leaves[:0]
-                if not arg_leaves:
-                    continue
+            if jax.process_count() > 1 and not all(isinstance(x, jax.Array) for x in jax.tree.leaves(arg)):
+                continue  # this process's NumPy part: make_array_from_process_local_data checks it when placed
             checks.check_batch(shim, arg, jax.tree.leaves(arg), what, 1)
             size = np.shape(jax.tree.leaves(arg)[0])[0]
             key = (i, size)
