@@ -8,10 +8,11 @@ while ``measure`` runs, and writes one record, the same keys for every benchmark
     {"benchmark": "step_overhead", "question": "...", "machine": {...}, "load": {...}, "busy": false,
      "args": {...}, "results": {...}, "date": "...", "commit": "..."}
 
-The machine is busy when the 1-minute load average, at the start, in any sample or at the end, is above the core
-count: the figures are then a loaded machine's. The record says so (``"busy": true``) and a warning is printed;
-with ``--require-quiet`` the benchmark refuses to start on a busy machine and refuses to report (exit 3, no JSON)
-when it became busy during the run.
+The load is sampled by ``jddp.benchmark.noise.LoadSampler`` (``jddp bench``'s, the one implementation; its record
+holds ``cores``). The machine is busy when the 1-minute load average, at the start, in any sample or at the end, is
+above the core count: the figures are then a loaded machine's. The record says so (``"busy": true``) and a warning
+is printed; with ``--require-quiet`` the benchmark refuses to start on a busy machine and refuses to report (exit 3,
+no JSON) when it became busy during the run.
 
 Pairing: ``abba`` and ``permuted`` give the order of the arms round by round, so that machine noise falls on all
 of them alike; ``interleave`` times callables in that order; ``compare`` turns two arms' paired figures into their
@@ -30,7 +31,6 @@ import platform
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,9 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from jddp.benchmark import noise
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ("benchmark", "question", "machine", "load", "busy", "args", "results", "date", "commit")
-SAMPLE_EVERY_S = 5.0
+SAMPLE_EVERY_S = noise.SAMPLE_EVERY_S
 NOT_QUIET_EXIT = 3  # --require-quiet on a busy machine
 VERSIONED = ("jax", "jaxlib", "numpy", "optax", "orbax-checkpoint", "torch")
 
@@ -89,48 +91,10 @@ def commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def loadavg() -> list[float]:
-    """The 1-, 5- and 15-minute load averages, rounded to 2 decimals."""
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-class LoadSampler:
-    """Samples the 1-minute load average every ``every_s`` seconds in a daemon thread, between ``start`` and
-    ``stop``; ``record()`` gives the load at the start and the end and the samples between."""
-
-    def __init__(self, every_s: float = SAMPLE_EVERY_S):
-        self.every_s = every_s
-        self.start_load: list[float] = []
-        self.end_load: list[float] = []
-        self.samples: list[tuple[float, float]] = []  # (seconds since the start, 1-minute load)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="load-sampler", daemon=True)
-        self._t0 = 0.0
-
-    def start(self) -> LoadSampler:
-        self.start_load, self._t0 = loadavg(), time.monotonic()
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.samples.append((round(time.monotonic() - self._t0, 1), loadavg()[0]))
-
-    def stop(self) -> dict[str, Any]:
-        self._stop.set()
-        self._thread.join()
-        self.end_load = loadavg()
-        return self.record()
-
-    def record(self) -> dict[str, Any]:
-        ones = [self.start_load[0], *(x for _, x in self.samples), *self.end_load[:1]]
-        return {
-            "start": self.start_load,
-            "end": self.end_load,
-            "samples": self.samples,
-            "max": max(ones),
-            "every_s": self.every_s,
-        }
+# The load average and its sampler are ``jddp bench``'s (one implementation): the record holds the 1-minute load at
+# the start, every ``SAMPLE_EVERY_S`` and at the end, its maximum, and the core count it is compared with.
+loadavg = noise.loadavg
+LoadSampler = noise.LoadSampler
 
 
 def busy(load: Mapping[str, Any], cores: int | None) -> bool:
