@@ -14,7 +14,7 @@ import threading
 import time
 
 from jddp.cli import output
-from jddp.cli.launch import environment
+from jddp.cli.launch import environment, orphans
 
 FLUSH_SIGNAL = signal.SIGUSR2  # jddp.runtime.flush.FLUSH_SIGNAL: the processes write out their buffers and exit
 
@@ -50,7 +50,8 @@ def spawn(
     pass_fds=(),
 ) -> tuple[subprocess.Popen[bytes], list[threading.Thread], int]:
     """Starts a process (a worker or a spare) in a session of its own, its output copied to ours after
-    ``prefix``; returns it, the readers of its output and the number of its pipe for Python's stdout."""
+    ``prefix``; returns it, the readers of its output and the number of its pipe for Python's stdout. The session
+    ends when this launcher dies, however it dies (``jddp.cli.launch.orphans``)."""
     # Python's stdout gets a pipe of its own (jddp.initialize() moves sys.stdout there), apart from fd 1,
     # where C++ (gloo) writes: see jddp.cli.output.
     python_read, python_write = os.pipe()
@@ -66,6 +67,7 @@ def spawn(
         )
     finally:
         os.close(python_write)
+    orphans.watch(popen.pid)  # its session ends within a second of this launcher's death, SIGKILL included
     if cores is not None:  # before its interpreter starts threads: they inherit the mask
         with contextlib.suppress(OSError):
             os.sched_setaffinity(popen.pid, cores)
