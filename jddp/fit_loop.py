@@ -98,6 +98,7 @@ class Loop:
         """Runs the call; returns what ``FitResult`` holds: the state, the history, the last evaluation, the
         summary."""
         if standby.active():  # the next attempt's process, started before the failure (jddp launch): ready it, wait
+            standby.restoring(state, self.loader)  # the training loader: the engine's hook compiles for its batch
             self.compile_ahead(state)
             standby.wait()
         start, fit_start = time.perf_counter(), time.time()

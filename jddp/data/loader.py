@@ -18,7 +18,7 @@ from jddp import runtime, validate
 from jddp.data import agreement, fields, pipeline, reading, sizes
 from jddp.data import buckets as buckets_lib
 from jddp.data import sampler as sampler_lib
-from jddp.runtime import distributed, host, packing, progress
+from jddp.runtime import distributed, host, packing, progress, standby
 
 
 def check_accumulate_steps(loader: DataLoader, accumulate_steps: int) -> None:
@@ -208,6 +208,17 @@ class DataLoader:
         self._transfer = packing.Transfer(self._sharding, padded)
         self._stream = pipeline.Stream(self._read, worker_count=worker_count, prefetch=prefetch)
         self._agreed = False  # settings compared across processes at the first batch (a collective)
+        standby.offer_batch(self._batch_ahead)  # a standby process compiles the step for it before it stands by
+
+    def _batch_ahead(self) -> packing.PackedBatch | None:
+        """A batch shaped as the next ones, read without moving the position and with no collective (a standby
+        process's compilation, ``jddp.runtime.standby``); None at the end of the epoch."""
+        batches = self.local_batches()
+        try:
+            local = next(batches, None)
+        finally:
+            batches.close()  # pyright: ignore[reportAttributeAccessIssue]  (a generator: its read-ahead stops)
+        return None if local is None else self.to_global(local)
 
     def __len__(self) -> int:
         """Global batches per epoch."""

@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp import runtime, validate
-from jddp.engine import checks, comm, reduce, replicas, transport, varying
+from jddp.engine import ahead, checks, comm, reduce, replicas, transport, varying
 from jddp.engine import rng as rng_lib
 from jddp.engine import step as step_lib
 from jddp.runtime import dispatch, distributed, progress, standby, watchdog
@@ -213,6 +213,7 @@ class DataParallelStep:
         self._programs: dict[tuple, _Program] = {}
         self._masks_checked: set = set()
         functools.update_wrapper(self, fn)
+        ahead.remember_step(self)  # a standby process compiles it before it stands by, where its arguments are known
 
     # ----------------------------------------------------------------- calling
 
@@ -286,7 +287,7 @@ class DataParallelStep:
                     )
                 kinds.append("batch")
                 batch.append(x)
-            elif isinstance(x, _ARRAYS):
+            elif isinstance(x, _ARRAYS) or (not place and isinstance(x, jax.ShapeDtypeStruct)):
                 if isinstance(x, jax.Array) and x.is_deleted():
                     raise ValueError(
                         f"{where} is a deleted jax.Array: it was donated to an earlier call of {self.name} "

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jddp import runtime
 from jddp import typing as jt
-from jddp.engine import checks, comm, loss_scale, lowering, programs, replicas, zero
+from jddp.engine import ahead, checks, comm, loss_scale, lowering, programs, replicas, zero
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
 from jddp.engine import transport as transport_lib
@@ -272,6 +272,7 @@ class DataParallel:
             opt_layout=layout,
         )
         replicas.assert_same_on_every_process(state, "state")
+        ahead.remember(self, state)  # a standby process compiles the step for it before it stands by
         return state
 
     # ----------------------------------------------------------------- step
