@@ -13,6 +13,8 @@ from jddp import envvars, net, placement
 from jddp.cli import reports
 
 DEFAULT_PEER_TIMEOUT_S: float = envvars.VARIABLES["JDDP_PEER_TIMEOUT"].default  # distributed's (no JAX here)
+DEFAULT_STANDBY_DEPTH = 2  # see the manual's "Standby"
+DEFAULT_STANDBY_NICE = 0
 
 
 def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
@@ -148,6 +150,24 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         "on one node, standby: see jddp.runtime.standby)",
     )
     parser.add_argument(
+        "--standby-depth",
+        type=envvars.count(1),
+        default=DEFAULT_STANDBY_DEPTH,
+        metavar="K",
+        help="with standby, the next K attempts' processes stand by at once, so that a second failure soon after a "
+        "restart finds a group standing by too; each generation is nprocs more processes holding the compiled "
+        "step (default %(default)s)",
+    )
+    parser.add_argument(
+        "--standby-nice",
+        type=envvars.count(0),
+        default=DEFAULT_STANDBY_NICE,
+        metavar="N",
+        help="autogroup nice value (0 to 19) of spare and standby processes while they import and compile, 0 again "
+        "once they stand by or take a role; where autogroups are on (a process in the root CPU cgroup), else "
+        "nothing (default %(default)s)",
+    )
+    parser.add_argument(
         "--transport",
         choices=("xla", "mpi"),
         default="xla",
@@ -195,6 +215,8 @@ class LaunchConfig:
     cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
     spares: bool = True  # with max_restarts > 0, spare processes with the imports done wait for a restart
     standby: bool = True  # spares run the next attempt's script up to its restore (one node, own coordinator)
+    standby_depth: int = DEFAULT_STANDBY_DEPTH  # generations standing by: the next K attempts'
+    standby_nice: int = DEFAULT_STANDBY_NICE  # autogroup nice of spares while they prepare (jddp.cli.launch.spares)
     transport: str = "xla"  # "mpi": the processes run under mpiexec and sum through MPI (jddp.engine.mpi)
     min_nodes: int | None = None  # --nnodes MIN:MAX: elastic membership (jddp.cli.launch.rendezvous); None: fixed
     max_nodes: int | None = None
@@ -253,6 +275,12 @@ class LaunchConfig:
                 )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
+        if self.standby_depth < 1:
+            raise ValueError(
+                f"--standby-depth must be at least 1, got {self.standby_depth} (no standby at all: --no-standby)."
+            )
+        if not 0 <= self.standby_nice <= 19:
+            raise ValueError(f"--standby-nice must be a nice value from 0 to 19, got {self.standby_nice}.")
         for name in (
             "monitor_interval",
             "kill_grace",

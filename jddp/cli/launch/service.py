@@ -1,6 +1,6 @@
 """Node 0's coordination service, in a process of its own for every attempt (``python -m jddp.runtime.coordinator``):
-started, awaited, stopped (in the background when nothing needs it any more), and the next attempt's started in
-advance and adopted at the restart."""
+started, awaited, stopped (in the background when nothing needs it any more), and later attempts' started in
+advance and adopted at their restart."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 
 from jddp import net
 from jddp.cli.launch import config as config_lib
+from jddp.cli.launch import orphans
 
 # The launcher's coordination service: its heartbeat timeout is a backstop only (the processes' watchdogs and
 # this launcher end a broken group long before), its shutdown timeout that of jddp.initialize's default.
@@ -36,13 +37,12 @@ class Service:
 
 
 class ServiceManager:
-    """This attempt's service (``current``), the next attempt's when started in advance (``next``), and the threads
-    stopping old ones in the background."""
+    """This attempt's service (``current``), and the threads stopping old ones in the background; those of later
+    attempts, started in advance (``spawn_local``), are held by their generations (``jddp.cli.launch.spares``)."""
 
     def __init__(self, config: config_lib.LaunchConfig) -> None:
         self.config = config
         self.current: Service | None = None
-        self.next: Service | None = None
         self.reapers: list[threading.Thread] = []  # services stopping in the background, joined at the end
 
     def start(self, coordinator: str) -> None:
@@ -68,6 +68,7 @@ class ServiceManager:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher only
         )
+        orphans.watch(service.pid)  # ends within a second of this launcher's death (SIGKILL too), not SERVICE_GRACE_S
         assert service.stdout is not None
         said: list[bytes] = []
         ready = threading.Event()
@@ -101,18 +102,21 @@ class ServiceManager:
         """Stops the attempt's service; without ``wait`` in the background (joined when the launcher ends): the next
         attempt's service listens on another port, and nothing needs this one any more."""
         current, self.current = self.current, None
-        if current is None:
-            return
-        service = current.popen
+        if current is not None:
+            self.end(current, wait=wait)
+
+    def end(self, service: Service, *, wait: bool) -> None:
+        """Stops ``service`` (its stop signal, SIGKILL 10 s later); without ``wait`` in the background."""
+        popen = service.popen
 
         def stop() -> None:
-            if service.poll() is None:
-                service.send_signal(SERVICE_STOP_SIGNAL)
+            if popen.poll() is None:
+                popen.send_signal(SERVICE_STOP_SIGNAL)
                 try:
-                    service.wait(10)
+                    popen.wait(10)
                 except subprocess.TimeoutExpired:
-                    service.kill()
-                    service.wait()
+                    popen.kill()
+                    popen.wait()
 
         if wait:
             stop()
@@ -121,21 +125,23 @@ class ServiceManager:
         reaper.start()
         self.reapers.append(reaper)
 
-    def start_next(self) -> None:
-        """Starts the next attempt's service in advance, on a fresh free port of loopback (a local run)."""
-        coordinator = f"127.0.0.1:{net.free_port()}"
-        self.next = self.spawn(coordinator)
+    def spawn_local(self) -> Service:
+        """A service started in advance for a later attempt, on a fresh free port of loopback (a local run)."""
+        return self.spawn(f"127.0.0.1:{net.free_port()}")
 
-    def adopt_next(self) -> str | None:
-        """The next attempt's coordinator, when its service was started in advance (``start_next``) and still
-        runs: it becomes this attempt's service."""
-        next_service, self.next = self.next, None
-        if next_service is None:
+    def adopt(self, service: Service | None) -> str | None:
+        """The coordinator of ``service`` (started in advance by ``spawn_local``) when it still runs: it becomes this
+        attempt's service. None when there is none, or it ended."""
+        if service is None:
             return None
-        if next_service.popen.poll() is not None:
+        if service.popen.poll() is not None:
             return None
-        self.current = next_service
-        return next_service.coordinator
+        self.current = service
+        return service.coordinator
+
+    def discard(self, service: Service) -> None:
+        """Stops a service started in advance that no attempt will use, in the background."""
+        self.end(service, wait=False)
 
     def join(self) -> None:
         """Waits (10 s each at most) for the services stopping in the background."""

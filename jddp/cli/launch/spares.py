@@ -1,9 +1,16 @@
-"""The spares of this node (``jddp.cli.spare``): one per local process, started with the imports done before a
-restart needs them, and, on one node with the launcher's own coordinator, handed their roles in the next attempt
-at once to stand by there compiled (``jddp.runtime.standby``)."""
+"""The spares and standby generations of this node (``jddp.cli.spare``, ``jddp.runtime.standby``): for each of the
+next ``--standby-depth`` attempts, one spare per local process and (a local run) that attempt's coordination service,
+started before a restart needs them and, on one node with the launcher's own coordinator, handed their roles in that
+attempt at once to stand by there compiled.
+
+Generations are prepared one at a time, nearest attempt first: a generation's spares start once every earlier one
+stands by, so the CPU goes to the standby that the next failure needs. While a spare prepares (its imports, its
+joining, its compilation) its autogroup nice value is ``--standby-nice`` (``AUTOGROUP``), and 0 again once it stands
+by or is handed a role."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 import threading
@@ -16,13 +23,59 @@ from jddp.cli.launch import config as config_lib
 from jddp.cli.launch import environment, service, snapshots, workers
 
 STANDBY_READY = "standby process(es) of the next attempt ready: compiled, waiting before their restore"
+LATER_READY = "standby process(es) ready further ahead: compiled, waiting before their restore"
+# The scheduler's weight of a process started in a session of its own (as the launcher starts every process) is its
+# session's autogroup's where autogroups are on (/proc/sys/kernel/sched_autogroup_enabled, the task in the root CPU
+# cgroup): its own nice value and SCHED_IDLE then change nothing against the other sessions' processes (measured
+# here: two busy loops on one core, 50/50 with one at nice 19 or SCHED_IDLE, 98.6/1.4 with its autogroup at nice 19).
+# Unlike a nice value or SCHED_IDLE, an autogroup's nice goes back to 0 without privilege (the kernel asks
+# RLIMIT_NICE only below 0), at most one write per 100 ms per host (EAGAIN; CAP_SYS_ADMIN is exempt): checked as
+# uid nobody with RLIMIT_NICE 0 (setpriv), where a nice value and SCHED_IDLE could not be undone (EACCES, EPERM).
+AUTOGROUP = "/proc/{pid}/autogroup"
+
+
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Sets process ``pid``'s autogroup nice value; False when it must be tried again (the host's rate limit for the
+    unprivileged), True when done or impossible (no autogroups here, the process gone)."""
+    try:
+        with open(AUTOGROUP.format(pid=pid), "w") as f:
+            f.write(str(nice))
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+@dataclasses.dataclass
+class Generation:
+    """The spares of one future attempt (by local rank) and, on a local run, that attempt's coordination service."""
+
+    attempt: int
+    service: service.Service | None
+    spares: dict[int, spare_lib.Spare]
+    said_ready: bool = False  # every spare finished its imports (said once, for the nearest generation)
+    handed: bool = False  # its spares were handed their standby roles in ``attempt``
+    said: bool = False  # the launcher said that it stands by, or that one of it ended before
+
+    def standing_by(self, nprocs: int) -> bool:
+        """Whether every local process of ``attempt`` stands by, and its service still runs."""
+        spares = self.spares.values()
+        return (
+            self.handed
+            and self.service is not None
+            and self.service.popen.poll() is None
+            and len(self.spares) == nprocs
+            and all([s.standing_by() for s in spares])  # a list: each reads its message
+        )
 
 
 class SparePool:
-    """The spares by local rank, and what was said and done of them in this attempt.
+    """The generations by attempt, nearest first.
 
     ``role_environment(local_rank, coordinator, attempt)`` is the environment of a process's role
-    (``jddp.cli.launch.environment.role_environment`` with the run's own settings).
+    (``jddp.cli.launch.environment.role_environment`` with the run's own settings); ``services`` starts and stops
+    the generations' coordination services.
     """
 
     def __init__(
@@ -31,18 +84,19 @@ class SparePool:
         out: output.Output,
         snapshot_dir: snapshots.SnapshotDir,
         role_environment: Callable[[int, str, int], dict[str, str]],
+        services: service.ServiceManager | None = None,
     ) -> None:
         self.config = config
         self.output = out
         self.snapshot_dir = snapshot_dir
         self.role_environment = role_environment
-        self.spares: dict[int, spare_lib.Spare] = {}  # by local rank: waiting for a restart's role
-        self.said_ready = False
-        self.standby_handed = False  # this attempt's spares were handed their roles in the next attempt
-        self.standby_said = False
+        self.services = services if services is not None else service.ServiceManager(config)
+        self.generations: list[Generation] = []
+        self.renice: dict[int, int] = {}  # pid -> the autogroup nice value still to write (the rate limit)
 
     def start(self, local_rank: int) -> spare_lib.Spare:
-        """Starts the spare of process ``local_rank`` (not kept: see ``fill``)."""
+        """Starts the spare of process ``local_rank`` (not kept: see ``prepare``), its autogroup lowered to
+        ``--standby-nice`` while it prepares."""
         env = environment.base_environment(self.config)
         if self.snapshot_dir.path is not None:
             env[environment.ENV_SNAPSHOT_DIR] = self.snapshot_dir.path
@@ -56,86 +110,151 @@ class SparePool:
             )
         finally:
             theirs.close()
+        if self.config.standby_nice:
+            self.set_nice(popen.pid, self.config.standby_nice)
         return spare_lib.Spare(local_rank, popen, ours, prefix, readers, stdout_fd)
 
-    def fill(self) -> None:
-        """One spare per local process: starts those missing."""
-        for local_rank in range(self.config.nprocs):
-            if local_rank not in self.spares:
-                self.spares[local_rank] = self.start(local_rank)
+    # -- priority ---------------------------------------------------------------------------------------------------
+    def set_nice(self, pid: int, nice: int) -> None:
+        """Writes ``pid``'s autogroup nice value now, or at the next ``poll`` when the host's rate limit refuses."""
+        self.renice.pop(pid, None)
+        if not set_autogroup_nice(pid, nice):
+            self.renice[pid] = nice
 
-    def take(self, local_rank: int) -> spare_lib.Spare | None:
-        """The spare of process ``local_rank``, no longer kept here, or None."""
-        return self.spares.pop(local_rank, None)
+    def restore(self, spare: spare_lib.Spare) -> None:
+        """The spare's autogroup back at nice 0 (it stands by, or is given a role: it trains next)."""
+        if self.config.standby_nice:
+            self.set_nice(spare.popen.pid, 0)
 
-    def poll(self, next_service: service.Service | None, attempt: int) -> None:
-        """Says once when every spare finished its imports, then hands them their standby roles in attempt
-        ``attempt + 1`` (served by ``next_service``)."""
-        if self.spares and not self.said_ready and all(s.ready() for s in self.spares.values()):
-            self.said_ready = True
-            self.output.say(f"{len(self.spares)} spare process(es) ready for a restart")
-        if self.said_ready:
-            self.hand_standby(next_service, attempt)
-        if self.standby_handed and not self.standby_said:
-            if self.standing_by(next_service):
-                self.standby_said = True
-                self.output.say(f"{len(self.spares)} {STANDBY_READY}")
-            for spare in self.spares.values():
-                if spare.standby and not spare.said_standing_by and spare.popen.poll() is not None:
-                    self.standby_said = True  # a restart now starts its processes anew: start() says so
-                    self.output.say(
-                        f"the standby process for process {spare.prefix.value.decode().strip(' []')} ended before "
-                        f"it stood by ({exitcodes.describe(spare.popen.returncode)}); what it printed follows"
-                    )
-                    self.output.release(spare.prefix)
+    def retry_renice(self) -> None:
+        for pid, nice in list(self.renice.items()):
+            if set_autogroup_nice(pid, nice):
+                del self.renice[pid]
 
+    # -- generations ------------------------------------------------------------------------------------------------
     def standby_possible(self) -> bool:
         c = self.config
         return c.spares and c.standby and c.nnodes == 1 and c.coordinator is None and c.transport == "xla"
 
-    def hand_standby(self, next_service: service.Service | None, attempt: int) -> None:
-        """Once every spare is ready and the next service listens: each spare becomes its process of the next
-        attempt, in standby (``jddp.runtime.standby``)."""
-        if self.standby_handed or not self.standby_possible() or next_service is None:
-            return
-        if not next_service.ready.is_set() or len(self.spares) != self.config.nprocs:
-            return
-        self.standby_handed = True
+    def depth(self, attempt: int) -> int:
+        """How many generations to keep while attempt ``attempt`` runs: ``--standby-depth`` with standby, one
+        otherwise (spares wait for a role at their imports, whatever attempt it is), never past the last attempt
+        (``--max-restarts``; an elastic run's rounds have no last)."""
         c = self.config
-        for local_rank, spare in self.spares.items():
-            env = self.role_environment(local_rank, next_service.coordinator, attempt + 1)
+        depth = c.standby_depth if self.standby_possible() else 1
+        if c.elastic:
+            return depth
+        return max(0, min(depth, c.max_restarts - attempt))
+
+    def prepare(self, attempt: int) -> None:
+        """Starts the nearest missing generation while attempt ``attempt`` runs, once every earlier one stands by
+        (or, without standby, none is kept): its service (a local run: a fresh free port of loopback) and one spare
+        per local process."""
+        c = self.config
+        if len(self.generations) >= self.depth(attempt):
+            return
+        if any(not g.standing_by(c.nprocs) for g in self.generations):
+            return
+        local = c.node_rank == 0 and c.coordinator is None
+        upcoming = self.generations[-1].attempt + 1 if self.generations else attempt + 1
+        next_service = self.services.spawn_local() if local else None
+        spares = {rank: self.start(rank) for rank in range(c.nprocs)} if c.spares else {}
+        self.generations.append(Generation(upcoming, next_service, spares))
+
+    def take(self, attempt: int) -> Generation | None:
+        """The generation prepared for attempt ``attempt``, no longer kept here, or None (those of earlier attempts
+        are ended). Spares that wait at their imports serve any attempt."""
+        while self.generations:
+            generation = self.generations.pop(0)
+            if generation.attempt == attempt or not generation.handed:
+                return generation
+            self.end(generation)
+        return None
+
+    def poll(self) -> None:
+        """Says once when the nearest generation's spares finished their imports, hands every ready generation its
+        standby roles (its service listens), says when one stands by (or that one of it ended first), restores the
+        priority of those standing by."""
+        self.retry_renice()
+        for number, generation in enumerate(self.generations):
+            spares = generation.spares
+            if spares and not generation.said_ready and all(s.ready() for s in spares.values()):
+                generation.said_ready = True
+                if number == 0:
+                    self.output.say(f"{len(spares)} spare process(es) ready for a restart")
+            if generation.said_ready:
+                self.hand_standby(generation)
+            if generation.handed and not generation.said:
+                self.say_standing(generation, number)
+
+    def say_standing(self, generation: Generation, number: int) -> None:
+        if generation.standing_by(self.config.nprocs):
+            generation.said = True
+            for spare in generation.spares.values():
+                self.restore(spare)
+            n = len(generation.spares)
+            self.output.say(
+                f"{n} {STANDBY_READY} ({generation.attempt})"
+                if number == 0
+                else f"{n} {LATER_READY} (attempt {generation.attempt}, {number + 1} failures ahead)"
+            )
+            return
+        for spare in generation.spares.values():
+            if spare.standby and not spare.said_standing_by and spare.popen.poll() is not None:
+                generation.said = True  # a restart now starts its processes anew: start() says so
+                self.output.say(
+                    f"the standby process for process {spare.prefix.value.decode().strip(' []')} of attempt "
+                    f"{generation.attempt} ended before it stood by ({exitcodes.describe(spare.popen.returncode)}); "
+                    "what it printed follows"
+                )
+                self.output.release(spare.prefix)
+
+    def hand_standby(self, generation: Generation) -> None:
+        """Once every spare of ``generation`` is ready and its service listens: each spare becomes its process of
+        the generation's attempt, in standby (``jddp.runtime.standby``)."""
+        next_service = generation.service
+        if generation.handed or not self.standby_possible() or next_service is None:
+            return
+        if not next_service.ready.is_set() or len(generation.spares) != self.config.nprocs:
+            return
+        generation.handed = True
+        c = self.config
+        for local_rank, spare in generation.spares.items():
+            env = self.role_environment(local_rank, next_service.coordinator, generation.attempt)
             env[environment.ENV_STDOUT_FD] = str(spare.stdout_fd)
             message = spare_lib.role(env, module=c.module, target=c.target, args=c.target_args, standby=True)
             spare.hand(message, int(env["JDDP_PROCESS_ID"]), standby=True)  # one that ended is found at the restart
 
-    def standing_by(self, next_service: service.Service | None) -> bool:
-        """Whether every local process of the next attempt stands by, and their service still runs."""
-        spares = self.spares.values()
-        return (
-            next_service is not None
-            and next_service.popen.poll() is None
-            and len(self.spares) == self.config.nprocs
-            and all(s.standby for s in spares)
-            and all([s.standing_by() for s in spares])  # a list: each reads its message
-        )
-
-    def standby_failed(self, next_service: service.Service | None) -> bool:
-        """At the next attempt's start: whether spares were handed their standby roles but not every one stands by
-        (it says so; the caller ends them and their service)."""
-        if not self.standby_handed or self.standing_by(next_service):
+    def standby_failed(self, generation: Generation) -> bool:
+        """At its attempt's start: whether ``generation`` was handed its standby roles but not every one stands by
+        (it says so; the caller ends it)."""
+        if not generation.handed or generation.standing_by(self.config.nprocs):
             return False
-        standing = sum(s.standing_by() for s in self.spares.values())
+        standing = sum(s.standing_by() for s in generation.spares.values())
         self.output.say(
             f"{standing} of {self.config.nprocs} standby process(es) stood by at the failure: ending them, starting "
             "the processes anew"
         )
         return True
 
-    def discard(self) -> list[threading.Thread]:
-        """Ends every spare; returns the readers of their output (to join when the launcher ends)."""
-        spares, self.spares = self.spares, {}
-        readers: list[threading.Thread] = []
-        for spare in spares.values():
+    def end(self, generation: Generation, draining: list[threading.Thread] | None = None) -> None:
+        """Ends ``generation``'s spares and its service (in the background); their output readers go to
+        ``draining`` (to join when the launcher ends)."""
+        for spare in generation.spares.values():
+            self.renice.pop(spare.popen.pid, None)
             spare.discard()
-            readers += spare.readers
+            if draining is not None:
+                draining += spare.readers
+        generation.spares = {}
+        if generation.service is not None:
+            self.services.discard(generation.service)
+            generation.service = None
+
+    def discard(self) -> list[threading.Thread]:
+        """Ends every generation; returns the readers of their output (to join when the launcher ends)."""
+        readers: list[threading.Thread] = []
+        generations, self.generations = self.generations, []
+        for generation in generations:
+            self.end(generation, readers)
+        self.renice.clear()
         return readers

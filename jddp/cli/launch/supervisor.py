@@ -30,7 +30,8 @@ from jddp.cli.launch import (
 STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): the launcher's own included
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # With a restart left: how long after an attempt's start the spares and the next coordination service start when
-# the processes' goodput ledger does not say earlier that they are past their first step (a script without fit).
+# the processes' goodput ledger does not say earlier that they are past their first step (a script without fit). An
+# attempt woken from standby prepares the next generation at once: its processes import and compile nothing.
 PREPARE_AFTER_S = 3.0
 
 
@@ -47,13 +48,12 @@ class Launcher:
         self.attempt_start = self.run_start = STARTED
         self.previous_end: float | None = None
         self.attempt = 0
-        self.prepared = False  # this attempt's spares and next service started
         self.group = workers.WorkerGroup(self.output, config.flush_grace)
         self.services = service.ServiceManager(config)
         self.nodes = nodes.Nodes(config, self.output)
         self.notes = notes.NoteDir()
         self.snapshot_dir = snapshots.SnapshotDir()  # made by run() unless the user set one
-        self.spares = spares.SparePool(config, self.output, self.snapshot_dir, self.role_environment)
+        self.spares = spares.SparePool(config, self.output, self.snapshot_dir, self.role_environment, self.services)
         # Elastic runs (jddp.cli.launch.elastic): called at every check of the watch, ends the round when it returns
         # an outcome; the round's membership for the processes (JDDP_MEMBERSHIP).
         self.round_hook: Callable[[], tuple[str, workers.Worker | None] | None] | None = None
@@ -116,10 +116,14 @@ class Launcher:
         env[job_token.ENV] = self.token.decode()
         return env
 
-    def start_one(self, local_rank: int, coordinator: str, attempt: int) -> workers.Worker:
+    def start_one(
+        self, local_rank: int, coordinator: str, attempt: int, generation: spares.Generation | None
+    ) -> workers.Worker:
         """Process ``local_rank``: woken from standby, handed to its spare, or started anew."""
         moment = environment.moment_environment(self.attempt_start, self.previous_end)
-        spare = self.spares.take(local_rank)
+        spare = generation.spares.pop(local_rank, None) if generation is not None else None
+        if spare is not None:
+            self.spares.restore(spare)  # it trains next: its autogroup back at nice 0
         if spare is not None and spare.standby:  # standing by as this very process (start checked)
             process_id = self.config.first_process_id() + local_rank
             spare.wake(spare_lib.wake(moment), self.output)  # one that ended as it was woken: this attempt fails
@@ -147,21 +151,26 @@ class Launcher:
         # the goodput ledger's start of this attempt (JDDP_ATTEMPT_START); the first one starts with the launcher
         self.attempt_start = STARTED if attempt == 0 else time.time()
         self.notes.clear()
-        self.prepared = self.spares.said_ready = False
         for w in self.group.workers:  # the previous attempt's
             if w.pidfd is not None:
                 os.close(w.pidfd)
-        if self.spares.standby_failed(self.services.next):
-            self.group.draining += self.spares.discard()
-            if self.services.adopt_next() is not None:  # the ended standby processes had joined it
-                self.services.stop(wait=False)
-        self.spares.standby_handed = self.spares.standby_said = False
-        coordinator = self.services.adopt_next() if c.node_rank == 0 else None
+        generation = self.spares.take(attempt)
+        if generation is not None and self.spares.standby_failed(generation):
+            self.spares.end(generation, self.group.draining)  # the ended standby processes had joined its service
+            generation = None
+        coordinator = None
+        if c.node_rank == 0 and generation is not None:
+            coordinator = self.services.adopt(generation.service)
+            generation.service = None
         if coordinator is None:
             coordinator = c.coordinator or f"127.0.0.1:{net.free_port()}"
             if c.node_rank == 0:
                 self.services.start(coordinator)
-        self.group.workers = [self.start_one(local_rank, coordinator, attempt) for local_rank in range(c.nprocs)]
+        self.group.workers = [
+            self.start_one(local_rank, coordinator, attempt, generation) for local_rank in range(c.nprocs)
+        ]
+        if generation is not None:  # spares of ranks this node no longer has
+            self.spares.end(generation, self.group.draining)
         if c.node_rank == 0:
             try:
                 self.services.await_ready()
@@ -184,19 +193,17 @@ class Launcher:
                 self.output.say(f"process(es) {said} {how}")
 
     def prepare_restart(self) -> None:
-        """Once this attempt's processes are past their first step (or ``PREPARE_AFTER_S`` after its start), with a
-        restart left: starts the next attempt's coordination service (a local run's: a fresh free port) and one spare
-        per local process (``jddp.cli.spare``), so that a restart waits for neither."""
+        """With a restart left: prepares the next attempts' generations (``spares.SparePool.prepare``: their
+        coordination services and spares, standing by where possible), so that a restart waits for neither. An
+        attempt woken from standby does so at once; any other once its processes are past their first step (or
+        ``PREPARE_AFTER_S`` after its start): their start-up needs the CPUs."""
         c = self.config
-        if self.prepared or not self.restart_follows() or c.transport != "xla":
+        if not self.restart_follows() or c.transport != "xla":
             return
-        if time.time() - self.attempt_start < PREPARE_AFTER_S and not self.notes.first_step_taken(self.attempt_start):
+        woken = any(w.from_spare == "woken" for w in self.group.workers)
+        if not woken and time.time() - self.attempt_start < PREPARE_AFTER_S and not self.first_step_taken():
             return
-        self.prepared = True
-        if c.node_rank == 0 and c.coordinator is None and self.services.next is None:
-            self.services.start_next()
-        if c.spares:
-            self.spares.fill()
+        self.spares.prepare(self.attempt)
 
     def silent_named(self) -> None:
         """Acts on the processes' notes of silent peers (``WorkerGroup.stop_silent``); node 0 of several tells the
@@ -286,7 +293,7 @@ class Launcher:
                     return "failed", min(early, key=lambda w: w.ended or 0.0)
                 return "ok", None
             self.prepare_restart()
-            self.spares.poll(self.services.next, self.attempt)
+            self.spares.poll()
             group.sleep(self.config.monitor_interval)
 
     def run_once(self, attempt: int) -> tuple[str, workers.Worker | None]:
@@ -388,9 +395,7 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             try:
-                self.group.draining += self.spares.discard()
-                if self.services.adopt_next() is not None:  # started for a restart that did not come
-                    self.services.stop(wait=False)
+                self.group.draining += self.spares.discard()  # and their services, started for restarts not come
                 self.services.join()
                 for thread in self.group.draining:
                     thread.join(timeout=10)
