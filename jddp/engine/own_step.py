@@ -224,12 +224,15 @@ class DataParallelStep:
         dispatch.DISPATCHER.before(program.jitted, self.max_inflight)
         number = progress.PROGRESS.step
         batch_tree = [args[i] for i in self.batch_argnums]
+        first = dispatch.DISPATCHER.first_call(program.jitted)
         with (
-            progress.phase("compile" if dispatch.DISPATCHER.first_call(program.jitted) else "step"),
+            progress.phase("compile" if first else "step"),
             watchdog.waiting(),
             checks.user_code(self.fn, f"jddp.data_parallel({self.name})", batch_tree, (), self.num_devices),
         ):
-            outs, done = program.jitted(call.donated, call.kept, call.batch)
+            operands = (call.donated, call.kept, call.batch)  # a first call compiles, meets the group, then runs
+            label = f"jddp.data_parallel({self.name})"
+            outs, done = dispatch.DISPATCHER.call(program.jitted, operands, first=first, label=label)
         dispatch.DISPATCHER.after(done, f"{self.name} call {number}")
         progress.heartbeat(number + 1)
         return _rebuild_outputs(program.outputs, outs)

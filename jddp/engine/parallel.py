@@ -253,7 +253,8 @@ class DataParallel:
         model_state = checks.host_copy({} if model_state is None else model_state, "model_state")
         key = checks.key_data(rng)
         dispatch.DISPATCHER.drain()
-        params, model_state, key = replicas.broadcast_from_process_0((params, model_state, key))
+        # the group's first collective, as a rule: every process meets first (jddp.runtime.first_run)
+        params, model_state, key = replicas.broadcast_from_process_0((params, model_state, key), "DataParallel.init")
         put = functools.partial(replicas.put_replicated, sharding=self._rep)
         params = jax.tree.map(put, params)
         layout = None
@@ -306,14 +307,17 @@ class DataParallel:
             return self._empty_step(state)
         dispatch.DISPATCHER.before(program, self.options.max_inflight)
         number = progress.PROGRESS.step
+        first = dispatch.DISPATCHER.first_call(program)
         with (
-            progress.phase("compile" if dispatch.DISPATCHER.first_call(program) else "step"),
+            progress.phase("compile" if first else "step"),
             watchdog.waiting(),  # on CPU the call may run the program, and its collectives, before it returns
             checks.user_code(
                 self.loss_fn, "DataParallel.step", batch, state.params, self.num_devices, self.options.accumulate_steps
             ),
         ):
-            (step, params, opt_state, model_state), packed = program(*self._args(state, batch))
+            args = self._args(state, batch)  # a first call compiles, meets every process, then runs (first_run)
+            outputs = dispatch.DISPATCHER.call(program, args, first=first, label="DataParallel.step")
+            (step, params, opt_state, model_state), packed = outputs
         if self.options.donate:  # read as donated even where a NumPy view kept JAX from donating the counter
             state_lib.mark_donated(state)
         dispatch.DISPATCHER.after(packed, f"train step {number}")
@@ -363,12 +367,14 @@ class DataParallel:
             return metrics_lib.Metrics(names, packed)
         dispatch.DISPATCHER.before(self._programs.eval, self.options.max_inflight)
         fn = self.eval_fn or self.loss_fn
+        first = dispatch.DISPATCHER.first_call(self._programs.eval)
         with (
-            progress.phase("compile" if dispatch.DISPATCHER.first_call(self._programs.eval) else "eval"),
+            progress.phase("compile" if first else "eval"),
             watchdog.waiting(),
             checks.user_code(fn, "DataParallel.eval_step", batch, state.params, self.num_devices),
         ):
-            packed = self._programs.eval(*self._eval_args(state, batch))
+            args = self._eval_args(state, batch)
+            packed = dispatch.DISPATCHER.call(self._programs.eval, args, first=first, label="DataParallel.eval_step")
         dispatch.DISPATCHER.after(packed, "eval step")
         progress.heartbeat()
         return metrics_lib.Metrics(self._device.names["eval"], packed)

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp import runtime
-from jddp.runtime import checksum
+from jddp.runtime import checksum, first_run
 
 DATA = runtime.DATA_AXIS
 
@@ -58,18 +58,23 @@ def assert_identical(tree) -> None:
                 )
 
 
-def broadcast_from_process_0(tree):
+def broadcast_from_process_0(tree, what: str = "a broadcast from process 0"):
     """Process 0's value of ``tree`` (host arrays of equal shapes everywhere), on every process.
 
     DDP's constructor does the same: replicas start from rank 0's parameters,
-    whatever seed each process used. A single process gets ``tree`` back.
+    whatever seed each process used. A single process gets ``tree`` back. Often
+    the group's first collective (``DataParallel.init``'s, a ``data_parallel``
+    step's first placing), so every process meets before it
+    (``jddp.runtime.first_run``, named by ``what`` if one is late).
     """
     if jax.process_count() == 1:
         return tree
     from jax.experimental import multihost_utils
 
-    _assert_same_structure(tree)
-    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+    first_run.meet_once(first_run.GLOBAL_DEVICES, what)
+    with first_run.explained(what):
+        _assert_same_structure(tree)
+        return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
 def _assert_same_structure(tree) -> None:
@@ -121,7 +126,9 @@ def assert_same_on_every_process(tree, what: str = "state") -> None:
     from jax.experimental import multihost_utils
 
     local = leaf_digests(tree)
-    every = np.asarray(multihost_utils.process_allgather(local))  # [processes, leaves]
+    first_run.meet_once(first_run.GLOBAL_DEVICES, f"the check that every process holds the same {what}")
+    with first_run.explained(f"the check that every process holds the same {what}"):
+        every = np.asarray(multihost_utils.process_allgather(local))  # [processes, leaves]
     differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
     if differ:
         paths = [

@@ -15,6 +15,10 @@ waits for the oldest output once ``max_inflight`` calls are pending, and for all
 of them before a different program starts. Waiting on a small output (the
 metrics) costs one host sync and keeps ``max_inflight - 1`` steps of overlap
 between Python and the devices.
+
+In a group, a program's first call (``call`` with ``first=True``) compiles it, then meets every process
+(``jddp.runtime.first_run``: bounded by the start-up timeout, ``JDDP_INIT_TIMEOUT``), and only then runs it, so
+that gloo's fixed 30-s connection window of a first collective opens with every peer present.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 import jax
 
-from jddp.runtime import peer_wait, progress
+from jddp.runtime import first_run, peer_wait, progress
 
 
 class Dispatcher:
@@ -50,6 +54,22 @@ class Dispatcher:
         self._ran.add(id(program))
         return True
 
+    def call(self, program: Any, args: tuple, *, first: bool, label: str) -> Any:
+        """``program(*args)``; on its ``first`` call in a group, compiled (``program.lower(*args).compile()``, which
+        the call then finds in JAX's cache: neither traced nor compiled again) and every process met before it runs.
+
+        Raises:
+          first_run.StartupTimeoutError: a process did not reach the meeting within the start-up timeout.
+          TimeoutError: gloo's own 30-s window ran out in the run (``first_run.explained``).
+        """
+        if first and first_run.needed():
+            lower = getattr(program, "lower", None)
+            if lower is not None:
+                lower(*args).compile()
+            first_run.meet(label)
+        with first_run.explained(label):
+            return program(*args)
+
     def after(self, outputs: Any, label: str = "program") -> None:
         """Records ``outputs`` (never donated later) of the call just dispatched, named ``label`` in flight
         records."""
@@ -62,7 +82,7 @@ class Dispatcher:
 
     def _wait_oldest(self) -> None:
         outputs, label = self._pending[0]
-        with peer_wait.waiting():
+        with peer_wait.waiting(), first_run.explained(label):
             jax.block_until_ready(outputs)
         self._pending.popleft()
         p = progress.PROGRESS

@@ -34,7 +34,10 @@ Environment variables (``jddp launch`` sets the first five):
 * ``JDDP_COORDINATOR``, ``JDDP_NUM_PROCESSES``, ``JDDP_PROCESS_ID``;
 * ``JDDP_LOCAL_DEVICES``: simulated CPU devices in this process;
 * ``JDDP_PEER_TIMEOUT`` (seconds), ``JDDP_INIT_TIMEOUT`` (seconds): defaults of
-  the arguments of the same names.
+  the arguments of the same names. The start-up timeout bounds the join and
+  every meeting of the processes before a program's first run
+  (``jddp.runtime.first_run``), which keeps gloo's fixed 30-s connection
+  window from failing a process merely slower to start than its peers.
 
 A ``JDDP_*`` variable jddp does not declare is named with the closest declared
 one, and a scheduler's variables partly set (SLURM without ``srun``'s, Open MPI,
@@ -55,6 +58,7 @@ from jddp import envvars, net, validate
 from jddp.runtime import (
     cluster_env,
     compile_cache,
+    first_run,
     jax_internals,
     join_settings,
     mesh,
@@ -118,7 +122,9 @@ def initialize(
       process_id: this process's index; default ``$JDDP_PROCESS_ID``.
       local_devices: simulated CPU devices in this process; default
         ``$JDDP_LOCAL_DEVICES``, else the backend's own count.
-      init_timeout_s: how long to wait for the coordinator and every peer;
+      init_timeout_s: the start-up timeout: how long to wait for the
+        coordinator and every peer, and for every process to reach each of
+        jddp's programs before its first run (``jddp.runtime.first_run``);
         default ``$JDDP_INIT_TIMEOUT`` or 120 s.
       peer_timeout_s: a peer silent this long counts as dead (see the module
         docstring); default ``$JDDP_PEER_TIMEOUT`` or 30 s.
@@ -170,6 +176,7 @@ def initialize(
     # so that a refused call leaves no cache set (tests/test_refusals.py)
     compile_cache.enable()
     coordinator = _join(settings, shutdown_timeout_s)
+    first_run.configure(settings.init_timeout_s, from_argument=init_timeout_s is not None)
     if not launched:
         # srun, mpiexec, a group set by hand: no launcher drops gloo's chatter. After _join, so that the coordination
         # service's child (process 0's) keeps the original fd 1.

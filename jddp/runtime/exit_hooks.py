@@ -3,7 +3,9 @@
 ``sys.excepthook`` marks this process FAILED (after giving the watchdog time to name a lost peer when a collective
 failed first); an ``atexit`` hook marks it DONE and waits for every peer to finish; a hook among threading's own
 ends a FAILED process before Python joins threads that wait for its peers; under ``jddp launch``, the launcher's
-``FLUSH_SIGNAL`` before a restart's SIGKILL flushes and exits (``jddp.runtime.flush``). ``jddp.runtime.watchdog.start``
+``FLUSH_SIGNAL`` before a restart's SIGKILL flushes and exits (``jddp.runtime.flush``). gloo's fixed 30-s
+window of a first collective running out in a program of the script's own is explained before the rest
+(``jddp.runtime.first_run``). ``jddp.runtime.watchdog.start``
 installs them with the watchdog (``peer_wait.WATCHDOG``).
 """
 
@@ -16,7 +18,7 @@ import sys
 import threading
 import time
 
-from jddp.runtime import flush, heartbeats, peer_wait
+from jddp.runtime import first_run, flush, heartbeats, peer_wait
 
 # Python's hook list for what must run at shutdown before non-daemon threads are joined and before
 # concurrent.futures refuses new work (its own shutdown is one of them; newest first). A private name of the
@@ -36,6 +38,10 @@ def install() -> None:
         previous_hook(kind, value, traceback)
         if watchdog is None or issubclass(kind, KeyboardInterrupt):
             return
+        if first_run.is_gloo_window(value) and not isinstance(value, TimeoutError):
+            # gloo's 30-s window of a first collective ran out in a program of the script's own (jddp's own
+            # programs re-raise it explained, as a TimeoutError): say what it is and what to do.
+            print(f"jddp: {first_run.gloo_window_message(value, 'a collective', met=False)}", file=sys.stderr)
         if is_collective_failure(value):
             # gloo noticed a closed connection before the watchdog noticed the silence; give the watchdog time
             # to name the lost process (it ends this process), and only then blame this process.

@@ -1,0 +1,195 @@
+"""Start-up never spends a restart: every process meets before a program's first run (``jddp.runtime.first_run``)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jddp.runtime import dispatch, exit_hooks, first_run, join_settings
+from tests import models, multiprocess
+
+LATE = str(multiprocess.WORKERS / "late_peer.py")
+
+# What XLA's gloo collectives raised here (jax 0.10.2) when a peer was 45 s late to its first collective.
+GLOO_WINDOW_ERROR = (
+    "INTERNAL: Gloo context initialization failed: [enforce fail at external/gloo/gloo/rendezvous/context.cc:86] "
+    "DEADLINE_EXCEEDED: GetKeyValue() timed out with key: gloo/0,1/1 and duration: 29.99s"
+)
+
+
+# ------------------------------------------------------------ the start-up timeout's setting, as the error names it
+
+
+@pytest.mark.parametrize(
+    ("argument", "env", "named"),
+    [
+        (None, None, "JDDP_INIT_TIMEOUT unset: the default 120 s"),
+        (None, "7", "JDDP_INIT_TIMEOUT=7"),
+        (9.0, "7", "`jddp.initialize(init_timeout_s=9)`"),
+        (9.0, None, "`jddp.initialize(init_timeout_s=9)`"),
+    ],
+    ids=["default", "variable", "argument-over-variable", "argument"],
+)
+def test_the_start_up_timeout_is_named_by_the_setting_that_gave_it(monkeypatch, argument, env, named):
+    """Every way to set the start-up timeout (``jddp.initialize``'s resolution: the argument, else the variable,
+    else the default) is the one its error names, with the value in force."""
+    monkeypatch.setattr(first_run, "_setting", None)
+    if env is None:
+        monkeypatch.delenv(join_settings.ENV_INIT_TIMEOUT, raising=False)
+    else:
+        monkeypatch.setenv(join_settings.ENV_INIT_TIMEOUT, env)
+    if argument is not None or env is not None:
+        resolved = join_settings.Settings.resolve("127.0.0.1:1", 2, 0, None, argument, None, None)
+        first_run.configure(resolved.init_timeout_s, from_argument=argument is not None)
+    seconds, setting = first_run.timeout()
+    assert setting == named
+    assert seconds == (argument if argument is not None else float(env) if env is not None else 120.0)
+
+
+class FakeClient:
+    """The coordination service's key-value store and a barrier that times out, as JAX's client answers."""
+
+    def __init__(self, arrived: dict[int, str]):
+        self.store = {f"jddp/first-run/1/{p}": what for p, what in arrived.items()}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.store[key] = value
+
+    def wait_at_barrier(self, name, timeout_ms):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: Barrier timed out. Id: {name}\nmore text")
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+
+@pytest.mark.parametrize("processes", [2, 3, 4])
+def test_a_meeting_that_times_out_names_the_setting_the_value_and_every_missing_process(monkeypatch, processes):
+    """Process 0 waits alone at the meeting: the error names the setting and its value, each process that did not
+    arrive (every other one, whatever the group's size), the program, and how to raise the timeout."""
+    client = FakeClient({})
+    monkeypatch.setattr(first_run.jax_internals, "distributed_client", lambda: client)
+    monkeypatch.setattr(first_run, "needed", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    monkeypatch.setattr(first_run, "_count", 0)
+    monkeypatch.setattr(first_run, "_setting", (5.0, ""))
+    monkeypatch.setenv(join_settings.ENV_INIT_TIMEOUT, "5")
+    with pytest.raises(first_run.StartupTimeoutError) as raised:
+        first_run.meet("DataParallel.step")
+    text = str(raised.value)
+    assert "first run of DataParallel.step within the start-up timeout (JDDP_INIT_TIMEOUT=5) on process 0" in text
+    assert f"process(es) {list(range(1, processes))} did not arrive" in text
+    assert "set JDDP_INIT_TIMEOUT=120" in text and "init_timeout_s=" in text
+    assert isinstance(raised.value, TimeoutError)
+
+
+def test_a_peer_that_met_before_another_program_is_named_with_it(monkeypatch):
+    """Processes that reach different first runs at the same meeting (one process made another call) are named
+    with the program each met before."""
+    client = FakeClient({1: "DataParallel.eval_step"})
+    monkeypatch.setattr(first_run.jax_internals, "distributed_client", lambda: client)
+    monkeypatch.setattr(first_run, "needed", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(first_run, "_count", 0)
+    with pytest.raises(first_run.StartupTimeoutError, match=r"process 1 met before DataParallel\.eval_step"):
+        first_run.meet("DataParallel.step")
+
+
+def test_alone_nothing_meets():
+    """A single process (no group) meets no one and returns at once."""
+    assert not first_run.needed()
+    first_run.meet("DataParallel.step")
+
+
+# ------------------------------------------------------------ the first call: compiled, then met, then run
+
+
+def test_a_first_call_compiles_then_meets_then_runs_without_compiling_again(monkeypatch):
+    """In a group, the dispatcher compiles a program's first call, meets the group, and runs it: one compilation
+    (the run finds it in JAX's cache), the meeting after it and before the run, and later calls meet no more."""
+    met, runs, traced = [], [], []
+    program = jax.jit(lambda x: (traced.append(1), x * 2.0)[1])
+    x = jnp.arange(3.0)
+    calls = dispatch.Dispatcher()
+    with models.counting_compiles() as compiles:
+        monkeypatch.setattr(first_run, "needed", lambda: True)
+        monkeypatch.setattr(first_run, "meet", lambda what: met.append((what, len(compiles))))
+        for _ in range(3):
+            out = calls.call(program, (x,), first=calls.first_call(program), label="double")
+            runs.append(len(compiles))
+    np.testing.assert_array_equal(out, 2 * np.arange(3.0))
+    assert met == [("double", 1)]  # met once, after the one compilation
+    assert runs == [1, 1, 1] and len(traced) == 1  # run without tracing or compiling again
+
+
+# ------------------------------------------------------------ gloo's own window, explained
+
+
+def test_gloos_window_running_out_is_rewritten_to_say_what_it_is_and_what_to_do():
+    """A jddp program whose first run meets gloo's 30-s window (a peer late after the meeting) raises a
+    TimeoutError saying it is gloo's fixed window, that the settings do not move it, and what to do, with gloo's
+    line kept (so the exit hook still treats it as a collective failure)."""
+    with pytest.raises(TimeoutError) as raised, first_run.explained("DataParallel.step"):
+        raise RuntimeError(GLOO_WINDOW_ERROR)
+    text = str(raised.value)
+    assert "gloo's fixed 30 s" in text and "neither JDDP_INIT_TIMEOUT nor JDDP_PEER_TIMEOUT moves it" in text
+    assert "in DataParallel.step" in text and 'jddp.barrier("first-run"' in text
+    assert exit_hooks.is_collective_failure(raised.value)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Gloo context initialization failed: Connection refused",  # a set-up that failed otherwise
+        "DEADLINE_EXCEEDED: Barrier timed out",  # the coordination service's, not gloo's
+        "Connection closed by peer [127.0.0.1]:1234",  # a peer lost mid-run
+    ],
+    ids=["gloo-refused", "barrier", "closed"],
+)
+def test_other_errors_pass_through_unchanged(text):
+    with pytest.raises(RuntimeError, match=re.escape(text)), first_run.explained("DataParallel.step"):
+        raise RuntimeError(text)
+
+
+# ------------------------------------------------------------ real processes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["dp", "own"])
+def test_a_peer_40_s_late_to_its_first_collective_trains_and_finishes(path):
+    """Process 1 reaches its first collective 40 s after process 0 (past gloo's fixed 30-s window): the group meets
+    first under the start-up timeout (120 s), then trains and finishes, both through ``DataParallel`` and through a
+    script's own step (``jddp.data_parallel``), with no restart."""
+    done = multiprocess.launch("-n", "2", "--max-restarts", "0", LATE, "40", "3", path, timeout=400)
+    shown = done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.returncode == 0, shown
+    trained = re.findall(r"TRAINED 3 (\S+)", done.stdout)
+    assert len(trained) == 2 and len(set(trained)) == 1, shown
+    assert "Gloo context initialization failed" not in done.stdout + done.stderr, shown
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_peer_later_than_the_start_up_timeout_is_named_with_the_setting_and_restarts_stay_bounded():
+    """``JDDP_INIT_TIMEOUT=5`` and process 1 15 s late: process 0, which waited, raises naming the variable, its
+    value and process 1; the launcher restarts once (``--max-restarts 1``), fails the same way, and exits non-zero
+    with no further restart."""
+    done = multiprocess.launch(
+        "-n", "2", "--max-restarts", "1", "--kill-grace", "1", LATE, "15", timeout=400, env={"JDDP_INIT_TIMEOUT": "5"}
+    )
+    shown = done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.returncode not in (0, None), shown
+    named = re.findall(
+        r"\[0\] .*StartupTimeoutError: The processes did not all reach the first run of DataParallel\.init within the "
+        r"start-up timeout \(JDDP_INIT_TIMEOUT=5\) on process 0: process\(es\) \[1\] did not arrive",
+        done.stderr,
+    )
+    assert len(named) == 2, shown  # once per attempt
+    assert "restarting the group (1 of 1)" in done.stderr, shown
+    assert "restarting the group (2 of" not in done.stderr, shown
+    assert "no restart left (--max-restarts 1)" in done.stderr, shown
