@@ -256,3 +256,45 @@ def test_a_launcher_waiting_to_be_admitted_when_the_run_finishes_exits_0(tmp_pat
     said = {name: logs[name].read_text() for name in "abc"}
     assert codes == {"a": 0, "b": 0, "c": 0}, said
     assert "node 0 ended the run: the run finished (exit 0)" in said["c"], said["c"]
+
+
+@pytest.mark.slow
+def test_node_0_lost_the_next_candidate_hosts_and_the_run_finishes_on_two(tmp_path, alone):
+    """Node 0's launcher (the rendezvous and the coordination service) SIGKILLed mid-run: the first of the others
+    in node 0's candidate order hosts round 1's rendezvous and service, the other joins it there with the job's
+    token, and the run finishes on two, the run that never lost a node (losses equal to one uninterrupted process).
+    Without the candidate list both end with 69 (node 0 was a single point of failure)."""
+    port, out = net.free_port(), tmp_path / "run"
+    out.mkdir()
+    a = Launcher(tmp_path, "a", port, out, 60, 0.15)
+    launchers = [a]
+    until(lambda: net.answers("127.0.0.1", port + 1), 60, launchers)  # a hosts the rendezvous: node 0
+    b, c = Launcher(tmp_path, "b", port, out, 60, 0.15), Launcher(tmp_path, "c", port, out, 60, 0.15)
+    launchers += [b, c]
+    try:
+        until(lambda: any(s >= 8 for _, s in steps_taken(out, 0)), 180, launchers)
+        before = a.descendants()
+        a.popen.send_signal(signal.SIGKILL)
+        lost_at = time.monotonic()
+        a.popen.wait(10)
+        until(lambda: not any(alive(p) for p in before), 10, launchers)  # jddp.cli.launch.orphans
+        resumed_at = until(lambda: any(r == 1 for r, _ in steps_taken(out, 0)), 120, launchers)
+        codes = [launcher.wait(240) for launcher in (b, c)]
+    finally:
+        for launcher in launchers:
+            if launcher.popen.poll() is None:
+                launcher.popen.kill()
+    said = {name: launcher.text() for name, launcher in zip("bc", (b, c), strict=True)}
+    assert codes == [0, 0], said
+    hosts = [name for name in "bc" if "this launcher is node 0 from round 1 on" in said[name]]
+    assert len(hosts) == 1, said
+    host, other = said[hosts[0]], said["c" if hosts[0] == "b" else "b"]
+    assert "round 1: 2 node(s), 2 process(es) (node 0 lost)" in host, host[-4000:]
+    assert "joined the rendezvous of the next node 0" in other, other[-4000:]
+    assert not any(r == 1 for r, _ in steps_taken(out, 2))  # two processes in round 1
+    assert_same_run(out, alone)
+    records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
+    assert rounds == [(1, 2, 2)], rounds  # round 0's record was its process 0's, lost with node 0
+    print(f"node 0 lost: from the loss to training again on two: {resumed_at - lost_at:.1f} s")
+    assert_restored_from_memory(records)

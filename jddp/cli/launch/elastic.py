@@ -13,8 +13,10 @@ node rank, first process id and number of processes. Node 0 ends a round, and fo
   on a step with every other process, save the checkpoint of that step and exit 75 (``jddp.Checkpointer``'s
   preemption); every launcher then joins the next round, the new node with them.
 
-Fewer than MIN nodes left: the run ends, every launcher exits 69 naming the lost nodes. Node 0 cannot be lost: it
-runs the rendezvous and the coordination service; the others exit 69, naming it, when it is gone.
+Fewer than MIN nodes left: the run ends, every launcher exits 69 naming the lost nodes. Node 0 runs the rendezvous
+and the coordination service, and can be lost too: every round's message carries the ordered coordinator candidates
+(``jddp.cli.launch.candidates``); when node 0 is gone the first surviving candidate hosts the next round as node 0
+(``Host`` with ``first_round``), the others join it there (``jddp.cli.launch.member``).
 
 Every process of a round gets ``JDDP_MEMBERSHIP`` (JSON: the round, its nodes and processes, the round before's and
 why it changed), which the goodput ledger records; the launcher's summary lists the rounds.
@@ -31,7 +33,7 @@ import time
 
 from jddp import exitcodes, net
 from jddp.cli import reports
-from jddp.cli.launch import api, rendezvous, workers
+from jddp.cli.launch import api, candidates, member, rendezvous, workers
 from jddp.cli.launch import config as config_lib
 
 # After a round ends, how long node 0 waits for the launchers of that round to say they are ready for the next,
@@ -56,12 +58,24 @@ def run(launcher: api.RoundLauncher) -> int:
     if server is not None:
         return Host(launcher, server).run()
     try:
+        reservation: candidates.Reservation | None = candidates.Reservation(candidates.local_address(c.coordinator))
+    except OSError as error:
+        launcher.say(f"{error.strerror or error}; this launcher cannot succeed node 0 if node 0 is lost")
+        reservation = None
+    try:
         name = f"{socket.gethostname()}:{os.getpid()}"
-        client = rendezvous.Client(address, name, c.nprocs, c.join_timeout, silence, launcher.token)
+        mine = reservation.rendezvous if reservation is not None else None
+        client = rendezvous.Client(address, name, c.nprocs, c.join_timeout, silence, launcher.token, candidate=mine)
     except OSError as error:
         launcher.say(str(error))
+        if reservation is not None:
+            reservation.close()
         return 1
-    return Guest(launcher, client).run()
+
+    def host(server: rendezvous.Server, base: config_lib.LaunchConfig, first_round: int, awaiting: list[str]) -> int:
+        return Host(launcher, server, base=base, first_round=first_round, awaiting=awaiting, why="node 0 lost").run()
+
+    return member.Guest(launcher, client, reservation, host).run()
 
 
 @dataclasses.dataclass
@@ -88,9 +102,25 @@ def membership_environment(current: Round, before: Round | None) -> str:
 class Host:
     """Node 0: the rendezvous, the rounds, and its own processes in each."""
 
-    def __init__(self, launcher: api.RoundLauncher, server: rendezvous.Server) -> None:
+    def __init__(
+        self,
+        launcher: api.RoundLauncher,
+        server: rendezvous.Server,
+        *,
+        base: config_lib.LaunchConfig | None = None,
+        first_round: int = 0,
+        awaiting: list[str] | None = None,
+        why: str = "the first round",
+    ) -> None:
+        """A node 0 from the start, or (``first_round`` > 0) the successor of a node 0 that was lost: ``base`` with
+        its own coordinator, the candidates ``awaiting`` that may still join it for round ``first_round``."""
         self.launcher, self.server = launcher, server
-        self.base = launcher.config
+        self.base = base or launcher.config
+        self.first_round, self.first_why = first_round, why
+        self.awaiting = list(awaiting or [])
+        c = self.base
+        self.awaiting_by = time.monotonic() + (c.peer_timeout or config_lib.DEFAULT_PEER_TIMEOUT_S) + c.kill_grace
+        self.awaiting_by += candidates.ANSWER_S
         self.say = launcher.say
         self.history: list[Round] = []
         self.failures = 0  # rounds that failed first on this node
@@ -104,11 +134,18 @@ class Host:
     def run(self) -> int:
         base, launcher = self.base, self.launcher
         launcher.receive_reports(self.server)  # the failure reports of the rounds arrive here
-        self.say(
-            f"elastic membership, {base.min_nodes} to {base.max_nodes} nodes: this launcher hosts the rendezvous at "
-            f"{base.coordinator} port + 1 (node 0 of every round)"
-        )
-        number, why, code = 0, "the first round", 1
+        if self.first_round == 0:
+            self.say(
+                f"elastic membership, {base.min_nodes} to {base.max_nodes} nodes: this launcher hosts the rendezvous "
+                f"at {base.coordinator} port + 1 (node 0 of every round while it runs)"
+            )
+        else:
+            self.say(
+                f"this launcher is node 0 from round {self.first_round} on: it hosts the rendezvous at "
+                f"{base.coordinator} port + 1 and the coordination service at {base.coordinator}; waiting up to "
+                f"{self.awaiting_by - time.monotonic():.0f} s for the other candidates ({', '.join(self.awaiting)})"
+            )
+        number, why, code = self.first_round, self.first_why, 1
         try:
             while True:
                 members = self.gather(number, why)
@@ -161,8 +198,14 @@ class Host:
                 self.failed_round = None
                 if said is not None:
                     self.why = f"{why}: {said}"
-            candidates = [m for m in self.server.alive() if m.key in previous or m.ready < number]
-            count = 1 + len(candidates)
+            if self.awaiting:  # a successor of node 0: the survivors of the round before find it in their order
+                joined = {m.candidate for m in self.server.alive()}
+                if not set(self.awaiting) <= joined and time.monotonic() < self.awaiting_by:
+                    self.server.wait(0.2)
+                    continue
+                self.awaiting = []
+            joining = [m for m in self.server.alive() if m.key in previous or m.ready < number]
+            count = 1 + len(joining)
             if count < c.min_nodes:
                 if number == 0 and time.monotonic() < join_by:
                     self.server.wait(0.2)
@@ -182,7 +225,7 @@ class Host:
                 if time.monotonic() - min_reached < c.join_wait:
                     self.server.wait(0.2)
                     continue
-            return candidates[: c.max_nodes - 1]
+            return joining[: c.max_nodes - 1]
 
     def start_round(self, number: int, members: list[rendezvous.Member], why: str) -> None:
         c, launcher = self.base, self.launcher
@@ -193,10 +236,14 @@ class Host:
         before = self.history[-1] if self.history else None
         self.history.append(current)
         self.members, self.admitting, self.lost = members, False, []
+        waiting = [m for m in self.server.alive() if m not in members]
+        order = [m.candidate for m in members + waiting if m.candidate is not None]
         for rank, m in enumerate(members, 1):
             m.send(
                 {
                     "op": "round",
+                    "coordinator": c.coordinator,
+                    "candidates": order,
                     "round": number,
                     "node_rank": rank,
                     "nnodes": len(sizes),
@@ -205,6 +252,8 @@ class Host:
                     "membership": membership_environment(current, before),
                 }
             )
+        for m in waiting:  # not in this round: they learn who succeeds node 0 if it is lost
+            m.send({"op": "candidates", "candidates": order})
         config = dataclasses.replace(c, nnodes=len(sizes), node_rank=0, process_offset=0, world=sum(sizes))
         launcher.set_round(config, membership_environment(current, before))
         self.say(current.describe() + ": " + ", ".join(f"node {i}: {n}" for i, n in enumerate(names)))
@@ -297,96 +346,3 @@ class Host:
                         "the group goes on without it", r.code if r.code > 0 else 128 - r.code
                     )  # fmt: skip
         return said
-
-
-class Guest:
-    """A node other than 0: joins node 0's rendezvous and runs the rounds it is given."""
-
-    def __init__(self, launcher: api.RoundLauncher, client: rendezvous.Client) -> None:
-        self.launcher, self.client = launcher, client
-        self.base = launcher.config
-        self.say = launcher.say
-        self.ended: tuple[int, str] | None = None  # node 0's "end" (code, why)
-        self.host_gone: str | None = None
-
-    def run(self) -> int:
-        launcher, c = self.launcher, self.base
-        self.say(f"elastic membership: joined the rendezvous at {c.coordinator} port + 1; waiting for a round")
-        try:
-            while True:
-                message = self.next_round()
-                if isinstance(message, int):
-                    return message
-                number = message["round"]
-                config = dataclasses.replace(
-                    c,
-                    nnodes=message["nnodes"],
-                    node_rank=message["node_rank"],
-                    process_offset=message["process_offset"],
-                    world=message["world"],
-                )
-                launcher.set_round(config, message.get("membership"))
-                outcome, first_failed = launcher.run_round(number, self.hook)
-                if self.ended is not None:
-                    code, why = self.ended
-                    self.say(f"node 0 ended the run: {why} (exit {code})")
-                    return code
-                if self.host_gone is not None:
-                    return exitcodes.EXIT_PEER_LOST
-                if outcome == "signal":
-                    code = launcher.exit_code(outcome, first_failed)
-                    self.client.send({"op": "leave", "why": f"stopped by a signal (exit {code})"})
-                    return code
-                if outcome == "ok":
-                    self.client.send({"op": "leave", "code": 0, "why": "its processes finished"})
-                    return launcher.exit_code(outcome, first_failed)
-                self.client.send({"op": "ready", "round": number + 1})
-        finally:
-            time.sleep(0.2)
-            self.client.close()
-
-    def next_round(self) -> dict | int:
-        """Node 0's next ``round`` message, or the exit code when the run ends (``end``, node 0 gone, a signal)."""
-        while True:
-            if self.launcher.signal_received is not None:
-                self.client.send({"op": "leave", "why": "stopped by a signal"})
-                return 128 + self.launcher.signal_received
-            message = self.client.next_message(0.2)
-            if message is None:
-                gone = self.client.gone()
-                if gone is not None:
-                    self.say(f"node 0's rendezvous is gone ({gone}): the run cannot re-form without it")
-                    return exitcodes.EXIT_PEER_LOST
-                continue
-            if message.get("op") == "end":
-                code = message.get("code")
-                code = code if isinstance(code, int) and not isinstance(code, bool) else 1
-                self.say(f"node 0 ended the run: {message.get('why', '')} (exit {code})")
-                return code
-            if message.get("op") == "round" and all(
-                isinstance(message.get(k), int) for k in ("round", "nnodes", "node_rank", "process_offset", "world")
-            ):
-                return message
-
-    def hook(self) -> tuple[str, workers.Worker | None] | None:
-        """Called by the launcher's watch: node 0 said ``stop`` or ``end``, or is gone."""
-        launcher = self.launcher
-        gone = self.client.gone()
-        if gone is not None:
-            self.host_gone = gone
-            self.say(f"node 0's rendezvous is gone ({gone}): stopping this node's processes")
-            launcher.stop_all(self.base.kill_grace)
-            return "lost", None
-        message = self.client.next_message(0)
-        if message is None:
-            return None
-        if message.get("op") == "end":
-            code = message.get("code")
-            self.ended = (code if isinstance(code, int) and not isinstance(code, bool) else 1, str(message.get("why")))
-            launcher.stop_all(self.base.kill_grace)
-            return "lost", None
-        if message.get("op") == "stop" and message.get("round") == launcher.attempt:  # not a late one of a round before
-            self.say("node 0 ended the round: stopping this node's processes")
-            launcher.stop_for_restart()
-            return "lost", None
-        return None

@@ -3,23 +3,26 @@ nodes.
 
 Where it runs: in node 0's launcher, on the coordinator's host at the coordinator's port + 1 (the address where the
 launchers of a fixed membership send their reports, ``jddp.cli.reports``). The first launcher started on that host
-binds the address and is node 0 of every round; every other launcher connects to it and stays connected for the
-whole run: the connection is its membership. Node 0 runs the coordination service of every round too, so it cannot
-be lost without ending the run; the others can.
+binds the address and is node 0 of every round while it runs; every other launcher connects to it and stays connected
+for the whole run: the connection is its membership. Node 0 runs the coordination service of every round too; when
+it is lost, the first surviving coordinator candidate (``jddp.cli.launch.candidates``) serves this protocol on the
+address it reserved, and the others connect there.
 
 The protocol: one JSON object per line, both ways, on that connection.
 
-* A launcher to node 0: ``join`` (first line: its name and its number of processes); ``ready`` (it waits for round
+* A launcher to node 0: ``join`` (first line: its name, its number of processes and its ``candidate`` address, where
+  it would host the rendezvous after node 0's loss); ``ready`` (it waits for round
   ``round``: its processes of the round before have ended); ``beat`` (every ``BEAT_S``); ``leave`` (it ends, with
   its exit code). A failure report of a round goes as in a fixed membership, on a connection of its own
   (``jddp.cli.reports.send``): the server takes those too.
 * Node 0 to a launcher: ``round`` (start your processes: this round's node rank, number of nodes, first process id,
-  number of processes, and the restarts used); ``stop`` (end this round's processes now: the round is over); ``end``
-  (the run is over: exit with ``code``, saying ``why``); ``beat``.
+  number of processes, the round's ``coordinator`` and the ordered coordinator ``candidates``); ``candidates`` (the
+  same list, to a launcher waiting to be admitted); ``stop`` (end this round's processes now: the round is over);
+  ``end`` (the run is over: exit with ``code``, saying ``why``); ``beat``.
 
 A launcher whose connection closes, or that sends nothing for the peer timeout, is gone: node 0 ends the round at
 once and forms the next without it. A launcher that finds node 0 gone (the same two ways) stops its processes and
-exits, naming it.
+exits, naming it, or succeeds it (``jddp.cli.launch.member``).
 
 Only the job's own launchers: node 0 sends every connection a challenge first, and its first line (a ``join`` or a
 report) must prove the job token (``jddp.cli.reports.signed``, ``jddp.cli.job_token``); node 0 answers ``ok``, or
@@ -78,6 +81,7 @@ class Member:
     failures: int = 0  # rounds that failed first on this node (its restarts used)
     finished: bool = False  # its processes finished the run (exit 0): it left, not lost
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    candidate: str | None = None  # where it would host the rendezvous after node 0's loss (jddp.cli.launch.candidates)
 
     def send(self, message: dict[str, Any]) -> bool:
         return send(self.connection, self.lock, message)
@@ -87,9 +91,19 @@ class Server:
     """Node 0's end: accepts launchers (``members``) and failure reports on ``host:port`` until ``close``."""
 
     def __init__(
-        self, host: str, port: int, silence_s: float, token: bytes, say: Callable[[str], None] | None = None
+        self,
+        host: str,
+        port: int,
+        silence_s: float,
+        token: bytes,
+        say: Callable[[str], None] | None = None,
+        *,
+        listener: socket.socket | None = None,
     ) -> None:
-        """Raises:
+        """``listener``: a socket bound to ``host:port`` and listening already (a coordinator candidate's, reserved
+        from its start: ``jddp.cli.launch.candidates``), served instead of binding one.
+
+        Raises:
         OSError: the address cannot be listened on (``errno`` EADDRINUSE or EADDRNOTAVAIL: another launcher has
         it, or it is not an address of this host)."""
         self.silence_s, self.token, self.say = silence_s, token, say
@@ -97,15 +111,18 @@ class Server:
         self.changed = threading.Condition()
         self._reports: list[tuple[int, reports.Report]] = []
         self._keys = itertools.count(1)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._socket.bind((host, port))
-        except OSError:
-            self._socket.close()
-            raise
-        self._socket.listen(256)
+        if listener is not None:
+            self._socket = listener
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._socket = socket.socket(family, socket.SOCK_STREAM)
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self._socket.bind((host, port))
+            except OSError:
+                self._socket.close()
+                raise
+            self._socket.listen(256)
         self._closed = False
         threading.Thread(target=self._serve, name="jddp-rendezvous", daemon=True).start()
         threading.Thread(target=self._beat, name="jddp-rendezvous-beat", daemon=True).start()
@@ -150,7 +167,9 @@ class Server:
             return
         connection.settimeout(None)
         now = time.monotonic()
-        member = Member(next(self._keys), name[:200], nprocs, connection, heard_at=now)
+        candidate = message.get("candidate")
+        candidate = candidate[:300] if isinstance(candidate, str) else None
+        member = Member(next(self._keys), name[:200], nprocs, connection, heard_at=now, candidate=candidate)
         member.send({"op": "ok"})
         with self.changed:
             self.members[member.key] = member
@@ -244,16 +263,29 @@ class Client:
     """A launcher other than node 0: its connection to node 0's rendezvous, read by a thread into ``inbox``."""
 
     def __init__(
-        self, address: tuple[str, int], name: str, nprocs: int, timeout: float, silence_s: float, token: bytes
+        self,
+        address: tuple[str, int],
+        name: str,
+        nprocs: int,
+        timeout: float,
+        silence_s: float,
+        token: bytes,
+        *,
+        candidate: str | None = None,
+        retry_refused: bool = True,
     ) -> None:
-        """Joins with the job's ``token``, retrying until ``timeout`` (node 0's launcher may start later).
+        """Joins with the job's ``token``, retrying until ``timeout`` (node 0's launcher may start later), saying
+        ``candidate``, the address where this launcher would host the rendezvous after node 0's loss. Without
+        ``retry_refused`` a refused connection ends the tries at once (a coordinator candidate that is gone).
 
         Raises:
           reports.Refused: node 0's rendezvous refused this launcher's job token.
           OSError: node 0's rendezvous did not answer within ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        join = {"op": "join", "name": name, "nprocs": nprocs}
+        join: dict[str, Any] = {"op": "join", "name": name, "nprocs": nprocs}
+        if candidate is not None:
+            join["candidate"] = candidate
         while True:
             try:
                 self.connection = socket.create_connection(address, timeout=reports.SEND_TIMEOUT_S)
@@ -263,6 +295,8 @@ class Client:
             except OSError as e:
                 with contextlib.suppress(AttributeError, OSError):
                     self.connection.close()
+                if not retry_refused and e.errno == errno.ECONNREFUSED:
+                    raise
                 if time.monotonic() > deadline:
                     host, port = address
                     raise OSError(
