@@ -173,6 +173,25 @@ def test_nothing_is_written_and_nothing_moves_before_the_wake(in_standby, tmp_pa
         np.testing.assert_array_equal(got, np.asarray(want))
 
 
+def test_the_loader_the_restore_names_is_the_training_one_whatever_the_order_they_were_built_in(in_standby):
+    """An evaluation loader built first: the restore names the training loader (``standby.restoring``, as
+    ``restore_or_init`` and ``jddp.fit`` do), and the step is compiled for its batch, not the first one's."""
+    m = mesh()
+    with counting_compiles() as compiles:
+        launcher = in_standby(compiles)
+        dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=m)
+        state = dp.init(PARAMS)
+        evaluation = jddp.data.DataLoader(data(40, 1), global_batch_size=24, shuffle=False, drop_last=False, mesh=m)
+        loader = jddp.data.DataLoader(data(64, 0), global_batch_size=16, seed=0, mesh=m)
+        standby.restoring(state, loader)
+        standby.wait()
+        assert launcher.stood_by_after
+        after_wake = len(compiles)
+        dp.step(state, next(iter(loader)))
+        assert compiles[after_wake:] == [], "the step compiled after the wake: compiled ahead for another loader"
+        del evaluation
+
+
 def own_state():
     return {"params": {k: jnp.asarray(v) for k, v in PARAMS.items()}, "opt": optax.sgd(0.1).init(PARAMS), "step": 0}
 
@@ -257,6 +276,8 @@ def test_outside_standby_nothing_is_registered_or_kept():
     jddp.data.DataLoader(data(64, 0), global_batch_size=16, seed=0, mesh=m)
     jddp.data_parallel(own_step, batch_argnums=1, mesh=m)
     standby.restoring(own_state())
+    standby.before_standing_by(lambda: None)
+    standby.offer_batch(lambda: None)
     assert standby._before == [] and standby._sources == [] and standby._restoring == []
 
 
