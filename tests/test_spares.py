@@ -326,3 +326,56 @@ def test_a_second_kill_right_after_a_restart_is_taken_by_the_standby_of_the_atte
     while survivors(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not survivors(marker), [Path(f"/proc/{p}/cmdline").read_bytes() for p in survivors(marker)]
+
+
+UNPRIVILEGED = """\
+import json, os, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from jddp.cli.launch import config, snapshots, spares
+from jddp.cli.output import Output
+
+child = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a session, so an autogroup, of its own
+pool = spares.SparePool(config.LaunchConfig(target="x", module=True, standby_nice=19), Output(),
+                        snapshots.SnapshotDir(), lambda *a: {})
+seen = {}
+for nice in (19, 0):
+    pool.set_nice(child.pid, nice)
+    deadline = time.monotonic() + 10
+    while pool.renice and time.monotonic() < deadline:
+        time.sleep(0.02)
+        pool.retry_renice()
+    seen[nice] = open(f"/proc/{child.pid}/autogroup").read().split()[-1]
+def undo(lower, restore):
+    lower()
+    try:
+        restore()
+        return "undone"
+    except OSError as error:
+        return type(error).__name__
+seen["nice"] = undo(lambda: os.setpriority(os.PRIO_PROCESS, child.pid, 19),
+                    lambda: os.setpriority(os.PRIO_PROCESS, child.pid, 0))
+seen["idle"] = undo(lambda: os.sched_setscheduler(child.pid, os.SCHED_IDLE, os.sched_param(0)),
+                    lambda: os.sched_setscheduler(child.pid, os.SCHED_OTHER, os.sched_param(0)))
+child.kill()
+child.wait()
+print(json.dumps({"uid": os.geteuid(), **seen}))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv") or not os.path.exists("/proc/self/autogroup"),
+    reason="needs root (to become uid nobody with setpriv) and autogroups",
+)
+def test_an_unprivileged_launcher_lowers_a_spare_s_autogroup_and_raises_it_again_where_nice_cannot():
+    """As uid nobody with RLIMIT_NICE 0 (no capabilities): the pool's autogroup nice goes to 19 and back to 0 (the
+    second write is refused with EAGAIN within 100 ms of the first and retried), while a nice value or SCHED_IDLE,
+    once set, cannot be undone: the reason standby processes are lowered through their autogroup only."""
+    python = next((p for p in ("/usr/bin/python3", sys.executable) if os.path.exists(p)), sys.executable)
+    done = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+         python, "-c", UNPRIVILEGED, str(multiprocess.ROOT)],
+        capture_output=True, text=True, timeout=60, cwd="/",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {"uid": 65534, "19": "19", "0": "0", "nice": "PermissionError", "idle": "PermissionError"}, seen

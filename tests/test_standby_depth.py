@@ -1,0 +1,95 @@
+"""The launcher's standby generations without processes: how deep they go (``--standby-depth``), the flags' checks,
+and the spares' priority while they prepare (``jddp.cli.launch.spares``: the autogroup nice value, retried under the
+host's rate limit)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from jddp.cli import launch as launch_lib
+from jddp.cli.launch import snapshots
+from jddp.cli.launch import spares as spares_lib
+from jddp.cli.output import Output
+
+
+def pool(**options) -> spares_lib.SparePool:
+    config = launch_lib.LaunchConfig(target="train", module=True, nprocs=2, **options)
+    return spares_lib.SparePool(config, Output(), snapshots.SnapshotDir(), lambda rank, coordinator, attempt: {})
+
+
+CASES = list(itertools.product((0, 1, 2, 5), (1, 2, 3), (True, False), (None, "127.0.0.1:29500")))
+
+
+@pytest.mark.parametrize(("max_restarts", "depth", "standby", "coordinator"), CASES, ids=str)
+def test_generations_are_kept_as_deep_as_asked_never_past_the_last_attempt_and_one_without_standby(
+    max_restarts, depth, standby, coordinator
+):
+    p = pool(max_restarts=max_restarts, standby_depth=depth, standby=standby, coordinator=coordinator)
+    possible = standby and coordinator is None  # one node, the launcher's own coordinator
+    assert p.standby_possible() == possible
+    for attempt in range(max_restarts + 1):
+        left = max_restarts - attempt  # restarts that can still follow
+        assert p.depth(attempt) == min(depth if possible else 1, left)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"standby_depth": 0}, r"--standby-depth must be at least 1, got 0 \(no standby at all: --no-standby\)"),
+        ({"standby_nice": 20}, r"--standby-nice must be a nice value from 0 to 19, got 20"),
+        ({"standby_nice": -1}, r"--standby-nice must be a nice value from 0 to 19, got -1"),
+    ],
+    ids=["depth 0", "nice 20", "nice -1"],
+)
+def test_bad_standby_flags_are_refused_naming_the_flag_and_the_value(options, match):
+    with pytest.raises(ValueError, match=match):
+        launch_lib.LaunchConfig(target="train", module=True, **options)
+
+
+def test_the_flags_reach_the_config_and_default_to_depth_2_and_no_lowered_priority():
+    parser = launch_lib.get_args_parser()
+    config = launch_lib.config_from_args(parser.parse_args(["--standby-depth", "3", "--standby-nice", "7", "-m", "x"]))
+    assert (config.standby_depth, config.standby_nice) == (3, 7)
+    config = launch_lib.config_from_args(parser.parse_args(["-m", "x"]))
+    assert (config.standby_depth, config.standby_nice) == (2, 0)
+
+
+def test_a_priority_the_rate_limit_refused_is_written_at_the_next_poll_and_an_impossible_one_dropped(monkeypatch):
+    """EAGAIN (an unprivileged writer within 100 ms of the host's last autogroup write): kept, written by a later
+    poll; any other error (no autogroups here, the process gone): dropped, never retried."""
+    written: list[tuple[str, str]] = []
+    refuse = {"eagain": 1}
+
+    class Autogroup:
+        def __init__(self, path: str, mode: str) -> None:
+            self.path = path
+            if "404" in path:
+                raise FileNotFoundError(path)
+            if refuse["eagain"]:
+                refuse["eagain"] -= 1
+                raise BlockingIOError(11, "write could not complete without blocking")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def write(self, text: str) -> None:
+            written.append((self.path, text))
+
+    monkeypatch.setattr(spares_lib, "open", Autogroup, raising=False)
+    p = pool(standby_nice=19)
+    p.set_nice(101, 19)  # refused once
+    assert p.renice == {101: 19} and written == []
+    p.set_nice(404, 19)  # gone: dropped
+    assert p.renice == {101: 19}
+    p.retry_renice()
+    assert p.renice == {} and written == [("/proc/101/autogroup", "19")]
+    refuse["eagain"] = 1
+    p.set_nice(101, 0)
+    p.set_nice(101, 19)  # the newer value replaces the one still pending
+    p.retry_renice()
+    assert p.renice == {} and written[-1] == ("/proc/101/autogroup", "19")
