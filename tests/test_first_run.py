@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jddp import exitcodes
 from jddp.runtime import dispatch, exit_hooks, first_run, join_settings
 from tests import models, multiprocess
 
@@ -193,3 +194,20 @@ def test_a_peer_later_than_the_start_up_timeout_is_named_with_the_setting_and_re
     assert "restarting the group (1 of 1)" in done.stderr, shown
     assert "restarting the group (2 of" not in done.stderr, shown
     assert "no restart left (--max-restarts 1)" in done.stderr, shown
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_gloos_window_in_a_collective_of_the_scripts_own_is_explained_by_the_exit_hook():
+    """Process 0's first collective is the script's own (``multihost_utils.process_allgather``) and process 1 never
+    comes (it exits 0): gloo's 30-s window runs out outside jddp's programs, and process 0's exit hook says what it
+    is (gloo's fixed window, a collective of the script's own) and what to do, before the watchdog names the lost
+    process (exit 69)."""
+    worker = str(multiprocess.WORKERS / "exit_in_own_collective.py")
+    done = multiprocess.launch("-n", "2", "--peer-timeout", "10", worker, timeout=240)
+    shown = done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.returncode == exitcodes.EXIT_PEER_LOST, shown
+    said = [line for line in done.stderr.splitlines() if line.startswith("[0] jddp: gloo's connection set-up")]
+    assert len(said) == 1, shown
+    assert "within gloo's fixed 30 s" in said[0] and "It was a collective of the script's own" in said[0], shown
+    assert 'jddp.barrier("first-run"' in said[0], shown
