@@ -148,9 +148,9 @@ def test_a_hand_written_loop_compiles_before_it_stands_by_and_its_first_step_and
         ckpt.close()
 
 
-def test_nothing_is_written_and_nothing_moves_before_the_wake(in_standby, tmp_path):
-    """The standby's work (reading a batch of each loader, compiling) writes no file and moves no loader; the state
-    it compiled for stays live (not donated)."""
+def test_nothing_is_written_printed_or_moved_before_the_wake(in_standby, tmp_path, capfd):
+    """The standby's work (reading a batch of each loader, compiling) writes no file, prints nothing and moves no
+    loader; the state it compiled for stays live (not donated)."""
     m = mesh()
     launcher = in_standby([])
     dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=m, eval_fn=eval_fn)
@@ -166,7 +166,9 @@ def test_nothing_is_written_and_nothing_moves_before_the_wake(in_standby, tmp_pa
         seen["state"] = [np.asarray(x) for x in jax.tree.leaves(state)]
 
     standby.on_wake(at_wake)
+    capfd.readouterr()
     standby.wait()
+    assert capfd.readouterr() == ("", "")
     assert launcher.stood_by_after is not None
     assert seen["files"] == [] and seen["positions"] == positions
     for got, want in zip(seen["state"], jax.tree.leaves(dp.init(PARAMS)), strict=True):  # pyright: ignore
