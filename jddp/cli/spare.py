@@ -1,16 +1,17 @@
 """Spare workers: processes that import the heavy libraries before a restart needs them, then wait for a role.
 
-A restart's new processes spend most of their start in Python's start and the imports of JAX, Flax, Optax,
-Orbax, Grain and jddp (1.7 to 2.2 s of the 2.65 s from a kill to the first step of the restarted group). Under
-``jddp launch --max-restarts N`` (N > 0, and not ``--no-spares``) the launcher keeps one spare per local process,
-``python -u -m jddp.cli.spare FD``, started once the attempt's processes are past their first step (or a few
-seconds after they started). A spare imports ``HEAVY_MODULES`` and then blocks reading the socket ``FD`` until the
-launcher hands it its role, one JSON object: the complete environment of the process (what the launcher would
-have started it with: ``JDDP_PROCESS_ID``, ``JDDP_COORDINATOR``, ``JDDP_RESTART_COUNT``, ... ) and what to run.
-The spare then replaces ``os.environ`` with it, sets ``sys.argv``, and runs the target as ``python -u script.py
-args`` (``runpy.run_path``, ``__name__ == "__main__"``, ``sys.path[0]`` the script's directory, symbolic links
-resolved) or ``python -u -m module args`` (``runpy.run_module`` with ``alter_sys=True``, ``sys.path[0]`` the
-working directory) would. Its exit code is the script's.
+A restart's new processes spend most of their start in Python's start and the imports of JAX, Flax, Optax, Orbax,
+Grain and jddp (1.7 to 2.2 s of the 2.65 s from a kill to the first step of the restarted group). Under ``jddp
+launch --max-restarts N`` (N > 0, and not ``--no-spares``) the launcher keeps one spare per local process, ``python
+-u -m jddp.cli.spare FD``, started once the attempt's processes are past their first step (or a few seconds after
+they started; at once in an attempt woken from standby), one generation per coming attempt up to ``--standby-depth``
+(``jddp.cli.launch.spares``). A spare imports ``HEAVY_MODULES`` and then blocks reading the socket ``FD`` until the
+launcher hands it its role, one JSON object: the complete environment of the process (what the launcher would have
+started it with: ``JDDP_PROCESS_ID``, ``JDDP_COORDINATOR``, ``JDDP_RESTART_COUNT``, ... ) and what to run. The spare
+then replaces ``os.environ`` with it, sets ``sys.argv``, and runs the target as ``python -u script.py args``
+(``runpy.run_path``, ``__name__ == "__main__"``, ``sys.path[0]`` the script's directory, symbolic links resolved) or
+``python -u -m module args`` (``runpy.run_module`` with ``alter_sys=True``, ``sys.path[0]`` the working directory)
+would. Its exit code is the script's.
 
 Nothing that depends on the role happens before it is handed: the imports initialise no JAX backend (so
 ``jddp.initialize`` still sets the device count and joins the group), the environment the spare starts with is the

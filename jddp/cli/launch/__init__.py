@@ -99,17 +99,18 @@ Exit code 75 from the processes without a signal to the launcher is passed on
 the same way, without a restart, so that a scheduler can requeue the job.
 
 A restart's critical path: the launcher wakes as soon as a process ends (a ``pidfd`` per process, else the
-``--monitor-interval`` poll), SIGKILLs the others, and starts the next attempt without waiting for the old
-group's last output (it is still copied, while the next attempt runs; all of it before the launcher exits) or
-for the old coordination service to stop (a local run's next service listens on a new port: started, with the
-spares, while the attempt before it runs). With ``--max-restarts`` > 0 and an attempt's processes past their
-first step (their goodput ledger says so; else ``PREPARE_AFTER_S`` seconds after the attempt started), the
-launcher starts one spare per local process (``python -u -m jddp.cli.spare``, see there): a process that has
-imported JAX, Flax, Optax, Orbax, Grain and jddp and waits. A restart hands each spare its process's role (the
-environment described above, the command) instead of starting a new process, says ``process(es) ... handed to
-their spares``, and starts a process anew where a spare has ended; a spare's lines get the ``[N] `` of the role
-it took; spares not needed are ended with the launcher. ``--no-spares`` turns them off; ``--transport mpi`` has
-none. With ``--cpu-share`` a spare is pinned to the cores of its local rank from its start, as a process is.
+``--monitor-interval`` poll), SIGKILLs the others, and starts the next attempt without waiting for the old group's
+last output (it is still copied, while the next attempt runs; all of it before the launcher exits) or for the old
+coordination service to stop (a local run's next service listens on a new port: started, with the spares, while the
+attempt before it runs). With ``--max-restarts`` > 0 and an attempt's processes past their first step (their
+goodput ledger says so; else ``PREPARE_AFTER_S`` seconds after the attempt started; at once in an attempt woken
+from standby), the launcher starts one spare per local process (``python -u -m jddp.cli.spare``, see there): a
+process that has imported JAX, Flax, Optax, Orbax, Grain and jddp and waits. A restart hands each spare its
+process's role (the environment described above, the command) instead of starting a new process, says ``process(es)
+... handed to their spares``, and starts a process anew where a spare has ended; a spare's lines get the ``[N] ``
+of the role it took; spares not needed are ended with the launcher. ``--no-spares`` turns them off; ``--transport
+mpi`` has none. With ``--cpu-share`` a spare is pinned to the cores of its local rank from its start, as a process
+is.
 
 Standby (one node, the launcher's own coordinator: no ``--coordinator``, ``--nnodes 1``): once the spares are
 ready and the next service listens, each spare is handed its role in the next attempt at once and runs the script
@@ -118,6 +119,30 @@ compiles the step, and waits. Its output is held meanwhile. A restart then wakes
 from standby``) and releases their output: what is left is the failed group's end and the restore. When not
 every standby process stands by at the failure (one ended, or the script stands by nowhere), they and the next
 service are ended and the attempt starts as without them. ``--no-standby`` keeps the spares at their imports.
+
+Standby depth: ``--standby-depth K`` (default 2) keeps the next K attempts standing by, each a *generation* of one
+process per local process and a coordination service of its own (never past ``--max-restarts``). Generations are
+prepared one at a time, nearest first (imports, joining, building, compiling): attempt k + 2's spares start once
+attempt k + 1's stand by, so the CPUs go first to the standby the next failure needs. An attempt woken from standby
+prepares the next generation at once (its processes import and compile nothing; an attempt started anew waits for
+its first step, or ``PREPARE_AFTER_S``, as its start-up needs the CPUs), so that a second failure right after a
+restart finds attempt k + 2 already standing by: the launcher says ``woken from standby`` again. Each generation
+costs memory: nprocs processes holding the model, the optimizer state and the compiled step (290 to 400 MiB each
+for the MNIST-1D MLP, plus 155 MiB for its service, measured on this 2-core machine on 2026-11-29); depth 1 halves
+what waits. Every generation not woken is ended with the run (SIGKILL to each process's session, its service
+stopped).
+
+Priority while preparing: ``--standby-nice N`` (default 0: off) sets the autogroup nice value of spares and
+standby processes while they import and compile, and 0 again once they stand by or take a role. The launcher starts
+every process in a session of its own, and where autogroups are on (``/proc/sys/kernel/sched_autogroup_enabled``,
+a process in the root CPU cgroup) a session's processes share one scheduling weight: a nice value or
+``SCHED_IDLE`` then changes nothing against the running attempt (measured: 50/50 of one core either way; 98.6/1.4
+with the autogroup at 19). An autogroup's nice can be raised back to 0 by an unprivileged user (the kernel asks
+``RLIMIT_NICE`` only below 0; one write per 100 ms per host, retried), a nice value or ``SCHED_IDLE`` cannot
+(checked as uid nobody with ``RLIMIT_NICE`` 0). Off by default: a lowered standby gets almost no CPU whenever the
+running attempt or anything else keeps the cores busy, so under load it is not ready before the failure it
+prepares for (measured at load 8 to 12: nice 0 stood by 27.6 and 36.3 s after the start, nice 19 not within the
+whole 20-epoch run; ``python -m benchmarks.standby_priority``).
 
 The snapshot directory: each launcher makes one directory in memory for the run (under ``/dev/shm`` when it is
 a tmpfs, else the temporary directory: ``jddp-snapshots-<launcher pid>-<random>``), passes it to every process
