@@ -23,7 +23,7 @@ from jddp.engine import ahead, checks, comm, loss_scale, lowering, programs, rep
 from jddp.engine import metrics as metrics_lib
 from jddp.engine import step as step_lib
 from jddp.engine import transport as transport_lib
-from jddp.runtime import dispatch, distributed, progress, standby, watchdog
+from jddp.runtime import dispatch, distributed, first_run, progress, standby, watchdog
 from jddp.runtime import mesh as mesh_lib
 from jddp.runtime import state as state_lib
 
@@ -253,8 +253,8 @@ class DataParallel:
         model_state = checks.host_copy({} if model_state is None else model_state, "model_state")
         key = checks.key_data(rng)
         dispatch.DISPATCHER.drain()
-        # the group's first collective, as a rule: every process meets first (jddp.runtime.first_run)
-        params, model_state, key = replicas.broadcast_from_process_0((params, model_state, key), "DataParallel.init")
+        first_run.meet_once(first_run.GLOBAL_DEVICES, "DataParallel.init")  # before the group's first collective
+        params, model_state, key = replicas.broadcast_from_process_0((params, model_state, key))
         put = functools.partial(replicas.put_replicated, sharding=self._rep)
         params = jax.tree.map(put, params)
         layout = None

@@ -58,7 +58,7 @@ def assert_identical(tree) -> None:
                 )
 
 
-def broadcast_from_process_0(tree, what: str = "a broadcast from process 0"):
+def broadcast_from_process_0(tree, what: str = "jddp's broadcast from process 0 (DataParallel.init, data_parallel)"):
     """Process 0's value of ``tree`` (host arrays of equal shapes everywhere), on every process.
 
     DDP's constructor does the same: replicas start from rank 0's parameters,
