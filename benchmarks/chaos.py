@@ -4,16 +4,16 @@ Chaos: random SIGKILLs of any worker under ``jddp launch --max-restarts``, at mo
 
     python -m benchmarks chaos [--runs 4] [--kills 5] [--seed 0] [--busy 0] [--modes disk,memory]
 
-Trains the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, ``--epochs``) under
-``jddp launch -n 2 --max-restarts KILLS`` (``--launch-args`` adds flags, e.g. ``--standby-depth 1``) and SIGKILLs
-a worker ``--kills`` times per run, one kill per attempt, the victim drawn too. Each kill's moment is drawn from
-``--seed`` (printed, so a run can be replayed), one of three ways: ``soon`` (0 to 1 s after the attempt started:
-the launcher's start for attempt 0, its line "started processes" for a restart; so a second kill soon after a
-restart), ``time`` (1 to ``--time-max`` s after the attempt started) or ``step`` (1 to a span of steps after the
-attempt's first step). Each kill is then classed by where it landed: ``start`` (within 1 s of attempt 0's start),
-``restart`` (within 1 s of a restart) or ``later``. Modes, interleaved run by run with the same draws: ``disk``
-(``JDDP_SNAPSHOTS=0``: each restart restores the last checkpoint on disk, one every ``--save-every`` steps) and
-``memory`` (the default: in-memory snapshots first). ``--busy N`` runs N busy processes (``while True: pass``)
+Trains the MNIST-1D MLP (``examples/mnist1d/train.py``, ``configs/mnist1d_mlp.yaml``, ``--epochs``) under ``jddp
+launch -n 2 --max-restarts KILLS`` (``--launch-args`` adds flags, e.g. ``--standby-depth 1``) and SIGKILLs a worker
+``--kills`` times per run, one kill per attempt, the victim drawn too. Each kill's moment is drawn from ``--seed``
+(printed, so a run can be replayed), one of three ways (``--hows``, default all): ``soon`` (0 to 1 s after the
+attempt started: the launcher's start for attempt 0, its line "started processes" for a restart; so a second kill
+soon after a restart), ``time`` (1 to ``--time-max`` s after the attempt started) or ``step`` (1 to a span of steps
+after the attempt's first step). Each kill is then classed by where it landed: ``start`` (within 1 s of attempt 0's
+start), ``restart`` (within 1 s of a restart) or ``later``. Modes, interleaved run by run with the same draws:
+``disk`` (``JDDP_SNAPSHOTS=0``: each restart restores the last checkpoint on disk, one every ``--save-every`` steps)
+and ``memory`` (the default: in-memory snapshots first). ``--busy N`` runs N busy processes (``while True: pass``)
 beside the group for the whole benchmark.
 
 Per kill: the seconds from the kill to the next attempt's first step (the goodput ledger's ``first_step_end``,
@@ -55,6 +55,7 @@ HANDED = re.compile(r"(\d+) \(pid (\d+)\)")
 STARTED = "started processes"  # jddp launch's line for every attempt's start
 CLASSES = ("start", "restart", "later")
 SOON_S = 1.0  # a kill this close to an attempt's start is of class start / restart
+HOWS = ("soon", "time", "step")
 
 
 def final_digests(ckpt: Path) -> tuple[int, list]:
@@ -73,11 +74,12 @@ def running(launcher: int, said: list[tuple[float, str]]) -> list[int]:
     return sorted(set(procs.workers(launcher)) | (handed & live))
 
 
-def draw(rng: random.Random, kills: int, span: int, time_max: float) -> list[dict]:
-    """``kills`` kill plans: how (``soon``, ``time``, ``step``), when (seconds or steps), which process."""
+def draw(rng: random.Random, kills: int, span: int, time_max: float, hows: tuple[str, ...] = HOWS) -> list[dict]:
+    """``kills`` kill plans: how (one of ``hows``: ``soon``, ``time``, ``step``), when (seconds or steps), which
+    process."""
     plans = []
     for _ in range(kills):
-        how = rng.choice(("soon", "time", "step"))
+        how = rng.choice(hows)
         when = rng.uniform(0, SOON_S) if how == "soon" else rng.uniform(SOON_S, time_max) if how == "time" else 0
         plans.append({"how": how, "after_s": when, "steps": rng.randint(1, span), "victim": rng.randint(0, 1)})
     return plans
@@ -227,6 +229,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--time-max", type=float, default=8.0, help="a time-drawn kill's latest second (default 8)")
     parser.add_argument("--busy", type=int, default=0, help="busy processes beside the group (default 0)")
+    parser.add_argument("--hows", default=",".join(HOWS), help="the kinds of moments drawn (default: all three)")
     parser.add_argument("--launch-args", default="", help="more flags for jddp launch, e.g. '--standby-depth 1'")
     parser.add_argument("--modes", default="disk,memory", help="comma-separated: disk, memory (default: both)")
     return parser
@@ -265,7 +268,10 @@ def measure(args: argparse.Namespace) -> Any:
     modes = [m.strip() for m in args.modes.split(",")]
     totals: dict[str, dict] = {m: {"kills": [], "sources": [], "bitwise": 0, "runs": 0, "woken": 0} for m in modes}
     for i in range(args.runs):
-        plans = draw(rng, args.kills, span, args.time_max)
+        hows = tuple(h.strip() for h in args.hows.split(","))
+        if not set(hows) <= set(HOWS):
+            raise ValueError(f"--hows must name some of {', '.join(HOWS)}, got {args.hows!r}.")
+        plans = draw(rng, args.kills, span, args.time_max, hows)
         for mode in modes if i % 2 == 0 else modes[::-1]:
             r = one_run(mode, plans, args, reference["first_step_s"])
             if r is None:
