@@ -3,7 +3,7 @@
 Elastic re-formation time: from a host's loss, or a host's arrival, to the group training again (issue 31).
 
     python -m benchmarks elastic [--repeats 5] [--seed 0] [--epochs 4] [--save-every 20] [--out FILE]
-        [--scenarios loss,admission] [--keep DIR]
+        [--scenarios loss,admission,node0] [--keep DIR]
 
 Runs the MNIST-1D MLP (``-m examples.mnist1d.train``, ``configs/mnist1d_mlp.yaml``, ``--epochs`` epochs of 4000
 examples in global batches of 120, which 2 and 3 processes divide; a learning rate of 1e-3, a checkpoint every
@@ -18,6 +18,10 @@ alone and hosts the rendezvous (node 0, process 0: it writes the goodput ledgers
   the old round stopped (the launcher's ``JDDP_PREVIOUS_END``), the new round formed and started (its
   ``JDDP_ATTEMPT_START``), the processes' start (imports, ``initialize``, the model), the restore, and the first
   step (compilation). The run then finishes on two.
+* ``node0``: three launchers; once the run is past a drawn step, node 0's launcher (the rendezvous and the
+  coordination service) is SIGKILLed: the first coordinator candidate hosts round 1, the other joins it
+  (``jddp.cli.launch.candidates``). Measured as ``loss``, the loss noticed by the successor ("node 0's rendezvous is
+  gone"); the successor's process 0 continues the run's goodput ledger (node 0's ``JDDP_RUN_START``).
 * ``admission``: two launchers; once the run is past a drawn step, the third is started. Measured: from its
   launcher's start to the first step of the round that includes it, and the time the running group lost: from its
   last step of the old round to its first of the new one; the parts: the arrival noticed (node 0's launcher says
@@ -74,11 +78,15 @@ RUN_TIMEOUT_S = 900.0
 LOST = "is lost:"  # node 0's launcher's lines (jddp.cli.launch.elastic)
 WAITING = "waiting to join: ending round"
 HOSTS = "hosts the rendezvous"
+NODE0_GONE = "node 0's rendezvous is gone"  # the other launchers' line (jddp.cli.launch.member)
+SUCCEEDS = "this launcher is node 0 from round 1 on"  # the successor's (jddp.cli.launch.elastic)
+LOSSES = ("loss", "node0")  # the scenarios that SIGKILL a launcher
 HISTORY = {
     "reference": "membership history: round 0: 3 node(s), 3 process(es) (the first round)\n",
     "loss": "round 0: 3 node(s), 3 process(es) (the first round); round 1: 2 node(s), 2 process(es) (a node lost)\n",
     "admission": "round 0: 2 node(s), 2 process(es) (the first round); "
     "round 1: 3 node(s), 3 process(es) (admitting a node)\n",
+    "node0": "membership history: round 1: 2 node(s), 2 process(es) (node 0 lost)\n",  # the successor's rounds
 }
 
 
@@ -189,7 +197,7 @@ def await_step_then(
 ) -> float | None:
     """Waits until round 0 is past ``step``; then kills launcher ``victim`` (``loss``) or starts the third
     (``admission``). Returns the time it did (None: the run ended first)."""
-    processes = 3 if scenario == "loss" else 2
+    processes = 3 if scenario in LOSSES else 2
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while launchers[0].popen.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -203,7 +211,7 @@ def await_step_then(
         except ValueError:  # being written
             continue
         if ledger["last_step"] >= step and ledger["processes"] == processes:
-            if scenario == "loss":
+            if scenario in LOSSES:
                 launchers[victim].popen.send_signal(signal.SIGKILL)
                 return time.time()
             launchers.append(Launcher("c", port, env, overrides))
@@ -215,10 +223,12 @@ def check_and_measure(
     scenario: str, launchers: list[Launcher], run_dir: Path, event_at: float | None, victim: int
 ) -> dict | None:
     """The run's checks (exit codes, the rounds, the ledgers) and its times; None, said, when a check fails."""
-    a = launchers[0]
+    a = first = launchers[0]
+    if scenario == "node0":  # node 0 from round 1 on: the first candidate, which succeeded the killed one
+        a = next((launcher for launcher in launchers[1:] if launcher.said(SUCCEEDS) is not None), launchers[1])
     codes = [launcher.popen.returncode for launcher in launchers]
     expected = [0] * len(launchers)
-    if scenario == "loss":
+    if scenario in LOSSES:
         expected[victim] = -signal.SIGKILL
     history = next((line for _, line in a.lines if "membership history:" in line), "")
     ledgers = sorted((run_dir / "log" / goodput.LEDGER_DIR).glob("*/attempt-*.ledger"))
@@ -226,7 +236,9 @@ def check_and_measure(
         f"exit codes {codes}, expected {expected}"
         if codes != expected
         else "the first launcher did not host the rendezvous"
-        if a.said(HOSTS) is None
+        if first.said(HOSTS) is None
+        else "no launcher succeeded node 0"
+        if scenario == "node0" and a.said(SUCCEEDS) is None
         else f"membership {history.strip()!r}"
         if not history.endswith(HISTORY[scenario])
         else f"{len(ledgers)} goodput ledger(s)"
@@ -245,9 +257,9 @@ def check_and_measure(
     assert event_at is not None
     old, new = goodput.read(ledgers[0]), goodput.read(ledgers[1])
     records = goodput_records(metrics)
-    lost = sum(records[0][k] for k in ("recomputed_s", "lost_s", "downtime_s"))
+    lost = sum(records[0][k] for k in ("recomputed_s", "lost_s", "downtime_s")) if 0 in records else 0.0
     lost += sum(records[1][k] for k in ("startup_s", "restore_s", "compile_s"))
-    noticed = a.said(LOST if scenario == "loss" else WAITING)
+    noticed = a.said({"loss": LOST, "node0": NODE0_GONE}.get(scenario, WAITING))
     if noticed is None:
         print(f"  {scenario}: node 0's launcher never said it noticed:\n{a.tail()}", flush=True)
         return None
@@ -257,7 +269,7 @@ def check_and_measure(
         "restore_s": new["restore_s"],
         "first_step_s": new["first_step_end"] - new["fit_start"] - new["restore_s"],
     }
-    if scenario == "loss":
+    if scenario in LOSSES:
         sample = {
             "kill_to_first_step_s": new["first_step_end"] - event_at,
             "noticed_s": noticed - event_at,
@@ -284,6 +296,7 @@ def check_and_measure(
         "goodput": {
             which: {k: records[i][k] for k in (*goodput.PARTS, "round", "nodes", "processes")}
             for i, which in enumerate(("old", "new"))
+            if i in records
         },
     }
 
@@ -321,7 +334,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="draws the step of each event and the killed launcher")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--save-every", type=int, default=20, help="steps between checkpoints")
-    parser.add_argument("--scenarios", default="loss,admission", help="comma-separated: loss, admission")
+    parser.add_argument("--scenarios", default="loss,admission,node0", help="comma-separated: loss, admission, node0")
     parser.add_argument("--keep", help="keep each run's files (logs, checkpoints, launchers' output) in this folder")
     parser.add_argument("--out", default=str(OUT), help="the JSON of every sample")
     return parser
@@ -343,9 +356,9 @@ def bench(args: argparse.Namespace) -> Any:
         "log_every=5", f"save_every={args.save_every}", "progress=false",
     ]  # fmt: skip
     scenarios = [s.strip() for s in args.scenarios.split(",")]
-    if not scenarios or any(s not in ("loss", "admission") for s in scenarios):
+    if not scenarios or any(s not in ("loss", "admission", "node0") for s in scenarios):
         get_args_parser().error(
-            f"--scenarios must name loss and/or admission, comma-separated; got --scenarios={args.scenarios}"
+            f"--scenarios must name loss, admission and/or node0, comma-separated; got --scenarios={args.scenarios}"
         )
     keep = None if args.keep is None else Path(args.keep)
     if keep is not None and keep.exists() and any(keep.iterdir()):
@@ -368,6 +381,7 @@ def bench(args: argparse.Namespace) -> Any:
         print(f"  reference: 3 launchers, unbroken: start to first step {reference['first_step_s']:.2f} s", flush=True)
         for i in range(args.repeats):
             draws = {"loss": (rng.randint(first, last), rng.randint(1, 2)), "admission": (rng.randint(first, last), 0)}
+            draws["node0"] = (rng.randint(first, last), 0)  # drawn after the others: their draws stay as they were
             for scenario in sorted(scenarios, reverse=i % 2 == 1):  # admission first, then alternately
                 step, victim = draws[scenario]
                 r = one_run(scenario, cache_dir, step, victim, settings, folder(f"{scenario}-{i}"))
@@ -375,8 +389,8 @@ def bench(args: argparse.Namespace) -> Any:
                     failed += 1
                     continue
                 r["max_rel_diff"] = max_rel_diff(r.pop("losses"), losses)
-                r.update(drawn_step=step, **({"killed_launcher": "abc"[victim]} if scenario == "loss" else {}))
-                event = f"kill launcher {'abc'[victim]}" if scenario == "loss" else "start the third launcher"
+                r.update(drawn_step=step, **({"killed_launcher": "abc"[victim]} if scenario in LOSSES else {}))
+                event = f"kill launcher {'abc'[victim]}" if scenario in LOSSES else "start the third launcher"
                 print(
                     f"  {scenario}: {event} at step {step} or after: "
                     + ", ".join(f"{k} {shown(k, v)}" for k, v in r.items() if k != "goodput"),

@@ -291,10 +291,11 @@ def test_node_0_lost_the_next_candidate_hosts_and_the_run_finishes_on_two(tmp_pa
     host, other = said[hosts[0]], said["c" if hosts[0] == "b" else "b"]
     assert "round 1: 2 node(s), 2 process(es) (node 0 lost)" in host, host[-4000:]
     assert "joined the rendezvous of the next node 0" in other, other[-4000:]
+    assert "fit: run " in host and "(restarted by jddp launch (restart 1))" in host, host[-4000:]  # the same run
     assert not any(r == 1 for r, _ in steps_taken(out, 2))  # two processes in round 1
     assert_same_run(out, alone)
     records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
     rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
-    assert rounds == [(1, 2, 2)], rounds  # round 0's record was its process 0's, lost with node 0
+    assert rounds == [(0, 3, 3), (1, 2, 2)], rounds  # one run: the successor's process 0 accounts for round 0 too
     print(f"node 0 lost: from the loss to training again on two: {resumed_at - lost_at:.1f} s")
     assert_restored_from_memory(records)

@@ -18,6 +18,8 @@ from jddp.cli.launch import rendezvous, workers
 class RoundLauncher(Protocol):
     """A launcher that runs the rounds of an elastic run, one attempt each, on this node."""
 
+    run_start: float  # the run's start (``JDDP_RUN_START``): node 0's, so that a successor of node 0 continues the run
+
     @property
     def config(self) -> config_lib.LaunchConfig:
         """The configuration of the round being run (before the first: the one the launcher was started with)."""

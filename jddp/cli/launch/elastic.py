@@ -244,6 +244,7 @@ class Host:
                     "op": "round",
                     "coordinator": c.coordinator,
                     "candidates": order,
+                    "run_start": launcher.run_start,
                     "round": number,
                     "node_rank": rank,
                     "nnodes": len(sizes),

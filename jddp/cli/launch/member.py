@@ -63,6 +63,9 @@ class Guest:
                         return code
                     continue
                 number = self.last_round = message["round"]
+                run_start = message.get("run_start")
+                if isinstance(run_start, float):  # node 0's: the goodput ledger's run goes on after node 0's loss
+                    launcher.run_start = run_start
                 coordinator = message.get("coordinator")
                 config = dataclasses.replace(
                     c,
