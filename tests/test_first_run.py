@@ -161,12 +161,19 @@ def test_other_errors_pass_through_unchanged(text):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["dp", "own"])
-def test_a_peer_40_s_late_to_its_first_collective_trains_and_finishes(path):
-    """Process 1 reaches its first collective 40 s after process 0 (past gloo's fixed 30-s window): the group meets
-    first under the start-up timeout (120 s), then trains and finishes, both through ``DataParallel`` and through a
-    script's own step (``jddp.data_parallel``), with no restart."""
-    done = multiprocess.launch("-n", "2", "--max-restarts", "0", LATE, "40", "3", path, timeout=400)
+@pytest.mark.parametrize(
+    ("path", "devices"),
+    [("dp", 1), ("own", 1), ("step", 2)],
+    ids=["before-DataParallel.init", "before-data_parallel", "after-init-before-the-first-step-2-devices-each"],
+)
+def test_a_peer_40_s_late_to_its_first_collective_trains_and_finishes(path, devices):
+    """Process 1 reaches a first collective 40 s after process 0 (past gloo's fixed 30-s window): the group meets
+    first under the start-up timeout (120 s), then trains and finishes, with no restart: late to ``DataParallel.init``,
+    to a script's own step (``jddp.data_parallel``), and, with 2 devices a process, late after ``init`` to the first
+    step (whose collectives connect another set of devices than init's: gloo's window again)."""
+    done = multiprocess.launch(
+        "-n", "2", "--devices-per-process", str(devices), "--max-restarts", "0", LATE, "40", "3", path, timeout=400
+    )
     shown = done.stdout[-3000:] + done.stderr[-5000:]
     assert done.returncode == 0, shown
     trained = re.findall(r"TRAINED 3 (\S+)", done.stdout)

@@ -39,9 +39,13 @@ def install() -> None:
         if watchdog is None or issubclass(kind, KeyboardInterrupt):
             return
         if first_run.is_gloo_window(value) and not isinstance(value, TimeoutError):
-            # gloo's 30-s window of a first collective ran out in a program of the script's own (jddp's own
-            # programs re-raise it explained, as a TimeoutError): say what it is and what to do.
-            print(f"jddp: {first_run.gloo_window_message(value, 'a collective', met=False)}", file=sys.stderr)
+            # gloo's 30-s window of a first collective ran out where jddp did not explain it (a step's metrics read
+            # after the run, a program of the script's own): say what it is and what to do.
+            from jddp.runtime import dispatch  # here: this module is imported by the launcher's side, without JAX
+
+            pending = dispatch.DISPATCHER.in_flight()  # jddp's programs whose outputs were not waited for yet
+            what = ", ".join(pending) if pending else "a collective"
+            print(f"jddp: {first_run.gloo_window_message(value, what, met=bool(pending))}", file=sys.stderr)
         if is_collective_failure(value):
             # gloo noticed a closed connection before the watchdog noticed the silence; give the watchdog time
             # to name the lost process (it ends this process), and only then blame this process.

@@ -4,8 +4,9 @@
 
 Process 1 sleeps ``LATE_S`` seconds before ``DataParallel.init`` (its first collective), as a process still importing
 or loading data on a loaded machine would; then both train a linear model ``STEPS`` steps (default 3) and print
-``TRAINED <steps> <loss>``. ``PATH``: ``dp`` (default, ``DataParallel``) or ``own`` (a script's own step through
-``jddp.data_parallel``: its first call is then the group's first collective, no ``init`` before it).
+``TRAINED <steps> <loss>``. ``PATH``: ``dp`` (default, ``DataParallel``), ``own`` (a script's own step through
+``jddp.data_parallel``: its first call is then the group's first collective, no ``init`` before it) or ``step``
+(``DataParallel``, process 1 late after ``init``, to its first step: the step program's first run).
 """
 
 import sys
@@ -26,9 +27,16 @@ steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 path = sys.argv[3] if len(sys.argv) > 3 else "dp"
 me = jddp.process_index()
 mesh = jddp.data_mesh()
-if me == 1:
-    print(f"process 1 sleeps {late_s:g} s before its first collective", flush=True)
-    time.sleep(late_s)
+
+
+def late() -> None:
+    if me == 1:
+        print(f"process 1 sleeps {late_s:g} s before its first collective", flush=True)
+        time.sleep(late_s)
+
+
+if path != "step":
+    late()
 rows = 4 * mesh.size
 rng = np.random.default_rng(0)
 x = rng.normal(size=(rows, 3)).astype(np.float32)
@@ -48,9 +56,11 @@ def loss_fn(params, model_state, batch, rng):
 
 
 loss = float("nan")
-if path == "dp":
+if path in ("dp", "step"):
     dp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh)
     state = dp.init(params, rng=0)
+    if path == "step":
+        late()
     for _ in range(steps):
         state, metrics = dp.step(state, batch)
         loss = float(metrics["loss"])
