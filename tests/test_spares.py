@@ -379,3 +379,23 @@ def test_an_unprivileged_launcher_lowers_a_spare_s_autogroup_and_raises_it_again
     assert done.returncode == 0, done.stdout + done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen == {"uid": 65534, "19": "19", "0": "0", "nice": "PermissionError", "idle": "PermissionError"}, seen
+
+
+SLOW_STANDBY = str(multiprocess.WORKERS / "slow_standby.py")
+
+
+def test_a_failure_while_the_standby_processes_still_prepare_waits_for_them_rather_than_start_anew(tmp_path):
+    """Attempt 1's standby processes joined their group and take 6 s more before they stand by (a long compile);
+    process 1 of attempt 0 dies meanwhile. The launcher sees the failure at once, waits for them and wakes them: no
+    process started anew. Red with the wait removed ("0 of 2 standby process(es) stood by at the failure", the
+    attempt started anew), and with the launcher's socket to a standby process left with a timeout (each poll of
+    it blocked: the failure seen only once they stood by, no wait said)."""
+    done = multiprocess.launch("-n", "2", "--max-restarts", "1", "--peer-timeout", "15", SLOW_STANDBY, str(tmp_path),
+                               timeout=240)  # fmt: skip
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown
+    assert "2 standby process(es) of attempt 1 still preparing: waiting for them" in done.stderr, shown
+    assert WOKEN.search(done.stderr), shown
+    assert "stood by at the failure" not in shown and "starting the processes anew" not in shown, shown
+    running = sorted(line for line in done.stdout.splitlines() if "RUNNING attempt 1" in line)
+    assert running == [f"[{p}] RUNNING attempt 1 process {p} woken True" for p in (0, 1)], shown

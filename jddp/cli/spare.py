@@ -130,6 +130,11 @@ class Spare:
         finally:
             if not standby:
                 self.channel.close()
+            elif self.channel.fileno() >= 0:
+                # Blocking again, without a timeout: with one, CPython waits for data up to the timeout before
+                # each recv, MSG_DONTWAIT or not, and standing_by() held the launcher's watch (a failure seen
+                # only when the standby processes stood by, up to HAND_TIMEOUT_S per poll).
+                self.channel.settimeout(None)
         self.standby = standby
         return True
 

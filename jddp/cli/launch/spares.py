@@ -14,6 +14,7 @@ import dataclasses
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from jddp import exitcodes
@@ -24,6 +25,10 @@ from jddp.cli.launch import environment, service, snapshots, workers
 
 STANDBY_READY = "standby process(es) of the next attempt ready: compiled, waiting before their restore"
 LATER_READY = "standby process(es) ready further ahead: compiled, waiting before their restore"
+# How long a restart waits for a generation handed its standby roles that does not stand by yet (its processes all
+# running): a bound for one stuck where it should not be; a standby process's whole preparation took 12 to 16 s at
+# load 15 to 23 (issue 43), less than that once the failed group's CPUs are free.
+STANDBY_WAIT_S = 30.0
 # The scheduler's weight of a process started in a session of its own (as the launcher starts every process) is its
 # session's autogroup's where autogroups are on (/proc/sys/kernel/sched_autogroup_enabled, the task in the root CPU
 # cgroup): its own nice value and SCHED_IDLE then change nothing against the other sessions' processes (measured
@@ -224,6 +229,30 @@ class SparePool:
             env[environment.ENV_STDOUT_FD] = str(spare.stdout_fd)
             message = spare_lib.role(env, module=c.module, target=c.target, args=c.target_args, standby=True)
             spare.hand(message, int(env["JDDP_PROCESS_ID"]), standby=True)  # one that ended is found at the restart
+
+    def await_standing_by(self, generation: Generation, stop: Callable[[], bool]) -> None:
+        """At its attempt's start: a generation handed its standby roles whose processes all still run but not all
+        stand by yet (still joining, building or compiling) is waited for, up to ``STANDBY_WAIT_S`` (or until
+        ``stop()``): what they have left is less than what processes started anew would do (Python's start, the
+        imports, the joining, the compilation), and the failed group's CPUs are theirs now."""
+        nprocs = self.config.nprocs
+        if not generation.handed or generation.standing_by(nprocs) or not self.alive(generation):
+            return
+        waiting = sum(not s.standing_by() for s in generation.spares.values())
+        self.output.say(
+            f"{waiting} standby process(es) of attempt {generation.attempt} still preparing: waiting for them up to "
+            f"{STANDBY_WAIT_S:g} s (less than processes started anew need)"
+        )
+        deadline = time.monotonic() + STANDBY_WAIT_S
+        while time.monotonic() < deadline and not stop() and self.alive(generation):
+            if generation.standing_by(nprocs):
+                return
+            time.sleep(0.01)
+
+    def alive(self, generation: Generation) -> bool:
+        """Whether every process of ``generation`` and its service still run."""
+        service_runs = generation.service is not None and generation.service.popen.poll() is None
+        return service_runs and all(s.popen.poll() is None for s in generation.spares.values())
 
     def standby_failed(self, generation: Generation) -> bool:
         """At its attempt's start: whether ``generation`` was handed its standby roles but not every one stands by

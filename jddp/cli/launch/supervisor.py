@@ -155,6 +155,8 @@ class Launcher:
             if w.pidfd is not None:
                 os.close(w.pidfd)
         generation = self.spares.take(attempt)
+        if generation is not None:
+            self.spares.await_standing_by(generation, lambda: self.signal_received is not None)
         if generation is not None and self.spares.standby_failed(generation):
             self.spares.end(generation, self.group.draining)  # the ended standby processes had joined its service
             generation = None
