@@ -142,6 +142,24 @@ def test_gloos_window_running_out_is_rewritten_to_say_what_it_is_and_what_to_do(
     assert isinstance(raised.value.__cause__, RuntimeError)
 
 
+class _RunFailed:
+    """A step's packed metrics whose run failed in gloo's window: reading them raises what XLA raised."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError(GLOO_WINDOW_ERROR)
+
+
+def test_a_steps_metrics_read_after_gloos_window_ran_out_say_what_it_is():
+    """On CPU the step returns before it runs, so gloo's error comes with its metrics: reading them raises the
+    explained TimeoutError too, with gloo's error chained."""
+    from jddp.engine import metrics
+
+    read = metrics.Metrics(("loss",), _RunFailed())  # pyright: ignore[reportArgumentType]  # the packed vector's stand-in
+    with pytest.raises(TimeoutError, match=r"in the step these metrics come from: .*gloo's fixed 30 s") as raised:
+        read["loss"]
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
 @pytest.mark.parametrize(
     "text",
     [

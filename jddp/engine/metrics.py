@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 import jax
 import numpy as np
 
-from jddp.runtime import watchdog
+from jddp.runtime import first_run, watchdog
 
 
 class Metrics(Mapping[str, float]):
@@ -35,7 +35,8 @@ class Metrics(Mapping[str, float]):
 
     def _values(self) -> dict[str, float]:
         if self._host is None:
-            with watchdog.waiting():  # the step's output: in a group, it needs every peer
+            # the step's output: in a group, it needs every peer (and may be the program's first run: gloo's window)
+            with watchdog.waiting(), first_run.explained("the step these metrics come from"):
                 self._store(np.asarray(self.packed))
         assert self._host is not None
         return self._host
