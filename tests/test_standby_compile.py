@@ -328,11 +328,13 @@ WORKER = str(multiprocess.WORKERS / "standby_compile.py")
 KILL_AT = 6
 
 
-def launched(out: Path, restarts: int, ready: Path | None) -> subprocess.CompletedProcess:
+def launched(out: Path, restarts: int, ready: Path | None, **env: str) -> subprocess.CompletedProcess:
     """The hand-written loop under ``jddp launch -n 2 --max-restarts restarts``; ``ready`` is touched when the
-    launcher says its standby processes stand by (the worker's process 1 then kills itself after step KILL_AT)."""
+    launcher says its standby processes stand by, or that one ended before it did (the worker's process 1 then
+    kills itself after step KILL_AT)."""
+    out.mkdir()
     env = multiprocess.environment(
-        JDDP_SNAPSHOT_DIR=str(out / "memory"), **({"KILL_ONCE": f"{KILL_AT}:{ready}"} if ready else {})
+        JDDP_SNAPSHOT_DIR=str(out / "memory"), **({"KILL_ONCE": f"{KILL_AT}:{ready}"} if ready else {}), **env
     )
     argv = [sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", str(restarts), "--peer-timeout", "15",
             WORKER, str(out)]  # fmt: skip
@@ -344,7 +346,7 @@ def launched(out: Path, restarts: int, ready: Path | None) -> subprocess.Complet
     def read(pipe, lines: list[str]) -> None:
         for line in pipe:
             lines.append(line)
-            if ready is not None and launch_lib.STANDBY_READY in line:
+            if ready is not None and (launch_lib.STANDBY_READY in line or "ended before it stood by" in line):
                 ready.touch()
 
     readers = [threading.Thread(target=read, args=pair, daemon=True) for pair in
@@ -363,17 +365,31 @@ def launched(out: Path, restarts: int, ready: Path | None) -> subprocess.Complet
     return subprocess.CompletedProcess(argv, launcher.returncode, "".join(printed), "".join(said))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, np.ndarray]:
+    """The hand-written loop's final parameters, run once without a failure (no restarts: no standby beside it)."""
+    out = tmp_path_factory.mktemp("standby-compile") / "clean"
+    clean = launched(out, 0, None)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    return dict(np.load(out / "final.npz"))
+
+
+def assert_bitwise(out: Path, want: dict[str, np.ndarray]) -> None:
+    got = np.load(out / "final.npz")
+    assert sorted(got.files) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_hand_written_loop_woken_from_standby_takes_its_first_step_without_compiling_and_ends_bitwise(tmp_path):
+def test_a_hand_written_loop_woken_from_standby_takes_its_first_step_without_compiling_and_ends_bitwise(
+    tmp_path, uninterrupted
+):
     """Two processes, a loop of the script's own (``DataParallel`` + ``DataLoader`` + ``Checkpointer``); process 1
     SIGKILLs itself after step 6 once the launcher says its standby processes stand by. Both woken processes' first
     step compiles nothing (JAX's compile events around it, counted by the worker: it traced, lowered and compiled
     in attempt 0), and the run ends bitwise equal to an uninterrupted one."""
-    (tmp_path / "clean").mkdir()
-    (tmp_path / "killed").mkdir()
-    clean = launched(tmp_path / "clean", 0, None)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
     done = launched(tmp_path / "killed", 1, tmp_path / "ready")
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown
@@ -386,7 +402,25 @@ def test_a_hand_written_loop_woken_from_standby_takes_its_first_step_without_com
     assert all(first[0, p][1] > 0 for p in range(2)), first  # the counter sees a compilation
     assert all(first[1, p][0] > 0 for p in range(2)), first  # attempt 1 restored, and then
     assert [first[1, p][1] for p in range(2)] == [0, 0], f"{first}\n{shown}"  # compiled nothing for its first step
-    want, got = np.load(tmp_path / "clean" / "final.npz"), np.load(tmp_path / "killed" / "final.npz")
-    assert sorted(want.files) == sorted(got.files)
-    for name in want.files:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_bitwise(tmp_path / "killed", uninterrupted)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_compilation_that_fails_in_standby_is_shown_and_the_restart_starts_anew_and_ends_bitwise(
+    tmp_path, uninterrupted
+):
+    """The loss fails to trace in the standby processes only: each ends before it stands by, the launcher shows its
+    traceback, the restart starts its processes anew (they compile after their start, and train), and the run
+    ends bitwise equal to an uninterrupted one."""
+    done = launched(tmp_path / "broken", 1, tmp_path / "ready", BREAK_IN_STANDBY="1")
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown
+    ended = r"the standby process for process [01]( of attempt \d+)? ended before it stood by \(failed with exit code 1"
+    assert re.search(ended, done.stderr), shown
+    assert re.search(r"^\[[01]\] RuntimeError: COMPILE FAILS IN STANDBY$", done.stderr, re.MULTILINE), shown
+    assert "preparing this process for the restart failed" in done.stderr, shown
+    assert "woken from standby" not in shown, shown
+    attempts = {line.split()[1] for line in (tmp_path / "broken" / "notes").read_text().splitlines()}
+    assert attempts == {"0", "1"}, shown
+    assert_bitwise(tmp_path / "broken", uninterrupted)

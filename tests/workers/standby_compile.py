@@ -7,7 +7,8 @@ Trains 20 steps. Every process writes DIR/notes: ``FIRST attempt process restore
 compilations counted (JAX's ``/jax/core/compile/`` events: tracing, lowering, compiling) around its first step
 after the restore. KILL_ONCE=step:path makes process 1 wait after that step in attempt 0 until the file path exists
 (the test writes it when the launcher says its standby processes stand by), then SIGKILL itself. Process 0 writes
-the final parameters to DIR/final.npz.
+the final parameters to DIR/final.npz. BREAK_IN_STANDBY=1 makes the loss fail to trace in a standby process (the
+compilation before standing by fails there, and only there).
 """
 
 import os
@@ -23,6 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+
+from jddp.runtime import standby  # noqa: E402
 
 STEPS = 20
 out = sys.argv[1]
@@ -44,6 +47,8 @@ source = {"x": rng.normal(size=(240, 16)).astype(np.float32), "y": rng.integers(
 
 
 def loss_fn(params, model_state, batch, key):
+    if os.environ.get("BREAK_IN_STANDBY") == "1" and standby.active():
+        raise RuntimeError("COMPILE FAILS IN STANDBY")
     logits = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
     loss = jddp.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch.get("mask"))
     return loss, (model_state, {})
