@@ -119,6 +119,7 @@ def test_one_node_launcher_sigkilled_leaves_no_workers_spares_standby_or_service
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        launcher.wait(30)
     print(f"one node: {len(started)} processes ended {took:.2f} s after the launcher's SIGKILL")
 
 
@@ -150,6 +151,7 @@ def test_elastic_node_0_sigkilled_leaves_no_workers_or_service(tmp_path):
                 launcher.kill()
                 for p in left:
                     with_suppressed_kill(p)
+            launcher.wait(30)
     print(f"elastic node 0: {len(started)} processes ended {took:.2f} s after its launcher's SIGKILL")
 
 
