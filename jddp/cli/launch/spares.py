@@ -259,6 +259,8 @@ class SparePool:
         (it says so; the caller ends it)."""
         if not generation.handed or generation.standing_by(self.config.nprocs):
             return False
+        if not generation.said:  # one that ended since the last poll: said, with what it printed
+            self.say_standing(generation, 0)
         standing = sum(s.standing_by() for s in generation.spares.values())
         self.output.say(
             f"{standing} of {self.config.nprocs} standby process(es) stood by at the failure: ending them, starting "
