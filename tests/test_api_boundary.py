@@ -288,6 +288,8 @@ FACTORIES: dict[str, Callable[[Ctx], Call]] = {
     "jddp.runtime.standby.active": lambda c: Call(standby.active, {}),
     "jddp.runtime.standby.on_wake": lambda c: Call(standby.on_wake, {"callback": lambda: None}),
     "jddp.runtime.standby.wait": lambda c: Call(standby.wait, {}),
+    "jddp.runtime.standby.before_standing_by": lambda c: Call(standby.before_standing_by, {"callback": lambda: None}),
+    "jddp.runtime.standby.offer_batch": lambda c: Call(standby.offer_batch, {"source": lambda: None}),
     "jddp.checkpoint.config_fingerprint": lambda c: Call(jddp.checkpoint.config_fingerprint, {"config": {"lr": 0.1}}),
     "jddp.checkpoint.digest_array": lambda c: Call(
         jddp.checkpoint.digest_array, {"tree": c.state().params, "layouts": None}
