@@ -181,14 +181,20 @@ def test_other_errors_pass_through_unchanged(text):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "devices"),
-    [("dp", 1), ("own", 1), ("step", 2)],
-    ids=["before-DataParallel.init", "before-data_parallel", "after-init-before-the-first-step-2-devices-each"],
+    [("dp", 1), ("own", 1), ("step", 2), ("jit", 1)],
+    ids=[
+        "before-DataParallel.init",
+        "before-data_parallel",
+        "after-init-before-the-first-step-2-devices-each",
+        "the-guides-own-jit-pattern",
+    ],
 )
 def test_a_peer_40_s_late_to_its_first_collective_trains_and_finishes(path, devices):
     """Process 1 reaches a first collective 40 s after process 0 (past gloo's fixed 30-s window): the group meets
     first under the start-up timeout (120 s), then trains and finishes, with no restart: late to ``DataParallel.init``,
-    to a script's own step (``jddp.data_parallel``), and, with 2 devices a process, late after ``init`` to the first
-    step (whose collectives connect another set of devices than init's: gloo's window again)."""
+    to a script's own step (``jddp.data_parallel``), with 2 devices a process late after ``init`` to the first step
+    (whose collectives connect another set of devices than init's: gloo's window again), and to a ``jax.jit`` of the
+    script's own met as the launch guide says (compiled, ``jddp.barrier``, run)."""
     done = multiprocess.launch(
         "-n", "2", "--devices-per-process", str(devices), "--max-restarts", "0", LATE, "40", "3", path, timeout=400
     )

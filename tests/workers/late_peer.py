@@ -6,7 +6,9 @@ Process 1 sleeps ``LATE_S`` seconds before ``DataParallel.init`` (its first coll
 or loading data on a loaded machine would; then both train a linear model ``STEPS`` steps (default 3) and print
 ``TRAINED <steps> <loss>``. ``PATH``: ``dp`` (default, ``DataParallel``), ``own`` (a script's own step through
 ``jddp.data_parallel``: its first call is then the group's first collective, no ``init`` before it) or ``step``
-(``DataParallel``, process 1 late after ``init``, to its first step: the step program's first run).
+(``DataParallel``, process 1 late after ``init``, to its first step: the step program's first run) or ``jit`` (a
+``jax.jit`` of the script's own as the first collective, met as the launch guide says: compiled, ``jddp.barrier``,
+run; prints its result in place of a loss).
 """
 
 import sys
@@ -64,6 +66,12 @@ if path in ("dp", "step"):
     for _ in range(steps):
         state, metrics = dp.step(state, batch)
         loss = float(metrics["loss"])
+elif path == "jit":  # the launch guide's pattern for a script's own collective as its first: compile, meet, run
+    total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
+    column = batch["x"][:, 0]
+    total.lower(column).compile()
+    jddp.barrier("first-run", timeout_s=120)
+    loss = float(jnp.sum(total(column)))
 else:
     optimizer = optax.chain(jddp.average_gradients(), optax.sgd(0.1))
 
