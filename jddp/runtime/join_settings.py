@@ -4,6 +4,10 @@ The environment: ``JDDP_COORDINATOR``, ``JDDP_NUM_PROCESSES``, ``JDDP_PROCESS_ID
 ``JDDP_PEER_TIMEOUT`` and ``JDDP_INIT_TIMEOUT`` (``jddp launch`` sets them), else MPI's ``PMI_RANK`` and
 ``PMI_SIZE`` (``from_mpi``: the MPI world, its coordinator chosen by rank 0), else nothing (a single process, or a
 cluster JAX detects).
+
+``JDDP_INIT_TIMEOUT`` (``init_timeout_s``) is the start-up timeout: it bounds the join, and, in the group, every
+process's wait for the others before each of jddp's programs first runs (``jddp.runtime.first_run``), the meeting
+that keeps gloo's fixed 30-s connection window from failing a process merely slower to start than its peers.
 """
 
 from __future__ import annotations
