@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -79,3 +80,46 @@ def test_three_hosts_lose_one_and_train_the_run_that_never_lost_it(tmp_path, alo
     lost = float((out / "lost_at").read_text())
     again = float((out / "training_again_at").read_text())
     print(f"three hosts: from the loss of host c to training again on two: {again - lost:.1f} s")
+
+
+NODE0_BODY = r"""
+out=$1; shift
+common=(-n 1 --devices-per-process 1 --nnodes 2:3 --coordinator "$ADDR_A:29500" --peer-timeout 10 --join-wait 5
+        --kill-grace 1 "$@")
+launcher a host0 "${common[@]}"
+wait_for host0 "hosts the rendezvous" 60 || exit 1
+launcher b host1 "${common[@]}"
+launcher c host2 "${common[@]}"
+until_ 240 step_at_least 0 8 "$out/steps0.txt" || exit 1
+grep -q "round 0: 3 node(s)" "$logs/host0.log" || { echo "round 0 did not have 3 nodes" >&2; exit 1; }
+kill_host a
+date +%s.%N > "$out/lost_at"
+until_ 120 step_at_least 1 0 "$out/steps0.txt" || exit 1
+date +%s.%N > "$out/training_again_at"
+reap host1 host2
+"""
+
+
+@pytest.mark.slow
+def test_three_hosts_lose_node_0_and_the_next_candidate_hosts_the_run(tmp_path, alone):
+    """Host a (node 0: the rendezvous and the coordination service) lost whole at step 8 or later: the first
+    coordinator candidate, on its own address (the one towards a's), hosts round 1's rendezvous and service, the other
+    joins it there, and the run finishes on two, the run that never lost a host."""
+    out = tmp_path / "run"
+    out.mkdir()
+    env = {"STEP_SLEEP": "0.15", **BATCHES}
+    logs = netns_bed.run(tmp_path, NODE0_BODY, str(out), FIT_TRAIN, str(out), "60", hosts=3, timeout=600, env=env)
+    hosts = [name for name in ("host1", "host2") if "this launcher is node 0 from round 1 on" in logs[name]]
+    assert len(hosts) == 1, logs
+    said = logs[hosts[0]]
+    assert "round 1: 2 node(s), 2 process(es) (node 0 lost)" in said, said[-4000:]
+    assert re.search(r"hosts the rendezvous at 10\.231\.0\.[23]:\d+ port \+ 1", said), said[-4000:]
+    assert max(s for r, s in steps_taken(out, 0) if r == 1) == 60  # finished in round 1
+    assert_same_run(out, alone)
+    records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [(r["round"], r["nodes"], r["processes"]) for r in records if r.get("split") == "goodput"]
+    assert rounds == [(0, 3, 3), (1, 2, 2)], rounds
+    assert_restored_from_memory(records)
+    lost = float((out / "lost_at").read_text())
+    again = float((out / "training_again_at").read_text())
+    print(f"three hosts: from the loss of node 0 (host a) to training again on two: {again - lost:.1f} s")
