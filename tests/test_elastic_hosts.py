@@ -92,22 +92,29 @@ launcher b host1 "${common[@]}"
 launcher c host2 "${common[@]}"
 until_ 240 step_at_least 0 8 "$out/steps0.txt" || exit 1
 grep -q "round 0: 3 node(s)" "$logs/host0.log" || { echo "round 0 did not have 3 nodes" >&2; exit 1; }
-kill_host a
+if [ "$HOW" = unplug ]; then unplug a; else kill_host a; fi
 date +%s.%N > "$out/lost_at"
 until_ 120 step_at_least 1 0 "$out/steps0.txt" || exit 1
 date +%s.%N > "$out/training_again_at"
-reap host1 host2
+reap host1 host2 || exit 1
+if [ "$HOW" = unplug ]; then
+  reap host0  # cut off, it finds its two members silent and ends below MIN, naming them
+  [ "${code[host0]}" = 69 ] || { echo "host0 exited ${code[host0]}, not 69" >&2; exit 1; }
+fi
+exit 0
 """
 
 
 @pytest.mark.slow
-def test_three_hosts_lose_node_0_and_the_next_candidate_hosts_the_run(tmp_path, alone):
-    """Host a (node 0: the rendezvous and the coordination service) lost whole at step 8 or later: the first
-    coordinator candidate, on its own address (the one towards a's), hosts round 1's rendezvous and service, the other
-    joins it there, and the run finishes on two, the run that never lost a host."""
+@pytest.mark.parametrize("how", ["kill", "unplug"])
+def test_three_hosts_lose_node_0_and_the_next_candidate_hosts_the_run(tmp_path, alone, how):
+    """Host a (node 0: the rendezvous and the coordination service) lost at step 8 or later, killed whole or cut off
+    (its cable pulled: silent for the peer timeout): the first coordinator candidate, on its own address (the one
+    towards a's), hosts round 1's rendezvous and service, the other joins it there, and the run finishes on two, the
+    run that never lost a host. Cut off, host a's launcher ends below MIN (69)."""
     out = tmp_path / "run"
     out.mkdir()
-    env = {"STEP_SLEEP": "0.15", **BATCHES}
+    env = {"STEP_SLEEP": "0.15", "HOW": how, **BATCHES}
     logs = netns_bed.run(tmp_path, NODE0_BODY, str(out), FIT_TRAIN, str(out), "60", hosts=3, timeout=600, env=env)
     hosts = [name for name in ("host1", "host2") if "this launcher is node 0 from round 1 on" in logs[name]]
     assert len(hosts) == 1, logs
@@ -122,4 +129,4 @@ def test_three_hosts_lose_node_0_and_the_next_candidate_hosts_the_run(tmp_path, 
     assert_restored_from_memory(records)
     lost = float((out / "lost_at").read_text())
     again = float((out / "training_again_at").read_text())
-    print(f"three hosts: from the loss of node 0 (host a) to training again on two: {again - lost:.1f} s")
+    print(f"three hosts: from the loss of node 0 (host a, {how}) to training again on two: {again - lost:.1f} s")
