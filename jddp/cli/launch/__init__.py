@@ -130,7 +130,8 @@ restart finds attempt k + 2 already standing by: the launcher says ``woken from 
 costs memory: nprocs processes holding the model, the optimizer state and the compiled step (290 to 400 MiB each
 for the MNIST-1D MLP, plus 155 MiB for its service, measured on this 2-core machine on 2026-11-29); depth 1 halves
 what waits. Every generation not woken is ended with the run (SIGKILL to each process's session, its service
-stopped).
+stopped). A failure while the next generation still prepares, all its processes running, waits for it (up to
+``STANDBY_WAIT_S``, 30 s) rather than ending it: what it has left is less than what processes started anew do.
 
 Priority while preparing: ``--standby-nice N`` (default 0: off) sets the autogroup nice value of spares and
 standby processes while they import and compile, and 0 again once they stand by or take a role. The launcher starts
