@@ -126,6 +126,21 @@ def test_a_first_call_compiles_then_meets_then_runs_without_compiling_again(monk
     assert runs == [1, 1, 1] and len(traced) == 1  # run without tracing or compiling again
 
 
+def test_every_new_program_is_a_first_call_even_where_a_collected_one_held_its_id():
+    """Whether a call is a program's first decides whether the process meets its peers, so it must be the same on
+    every process: a program made after another was collected is new, even where it got the collected one's id
+    (CPython reuses them; when it does depends on each process's collections)."""
+    calls = dispatch.Dispatcher()
+    ids, firsts = set(), []
+    for _ in range(20):
+        program = jax.jit(lambda x: x + 1)
+        ids.add(id(program))
+        firsts.append(calls.first_call(program))
+        del program  # freed at once (no cycle): the next one may take its id
+    assert len(ids) < 20, "no id was reused: the case this test is about did not arise"
+    assert all(firsts)
+
+
 # ------------------------------------------------------------ gloo's own window, explained
 
 

@@ -24,6 +24,7 @@ that gloo's fixed 30-s connection window of a first collective opens with every 
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any
 
 import jax
@@ -37,7 +38,10 @@ class Dispatcher:
     def __init__(self) -> None:
         self._pending: collections.deque[tuple[Any, str]] = collections.deque()
         self._program: object | None = None
-        self._ran: set[int] = set()  # ids of the programs called before (a first call compiles)
+        # The programs called before (a first call compiles, and in a group meets), held weakly: an id could be
+        # reused by another program after a collection, on one process and not another, and every process must
+        # agree on which call is a first one.
+        self._ran: weakref.WeakSet = weakref.WeakSet()
 
     def before(self, program: object, max_inflight: int) -> None:
         """Waits as needed before ``program`` is dispatched."""
@@ -49,9 +53,9 @@ class Dispatcher:
 
     def first_call(self, program: object) -> bool:
         """True the first time ``program`` is called (its call compiles it), then False."""
-        if id(program) in self._ran:
+        if program in self._ran:
             return False
-        self._ran.add(id(program))
+        self._ran.add(program)
         return True
 
     def call(self, program: Any, args: tuple, *, first: bool, label: str) -> Any:
