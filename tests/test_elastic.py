@@ -299,3 +299,59 @@ def test_node_0_lost_the_next_candidate_hosts_and_the_run_finishes_on_two(tmp_pa
     assert rounds == [(0, 3, 3), (1, 2, 2)], rounds  # one run: the successor's process 0 accounts for round 0 too
     print(f"node 0 lost: from the loss to training again on two: {resumed_at - lost_at:.1f} s")
     assert_restored_from_memory(records)
+
+
+def test_a_launcher_waiting_at_max_joins_the_successor_of_a_lost_node_0(tmp_path):
+    """``--nnodes 1:2``: a and b run, c waits (the run is at MAX); node 0 (a) is SIGKILLed. c was sent the candidates
+    while it waited, so it finds b, which succeeds node 0, and round 1 runs on b and c; the run finishes there.
+    Without the candidates sent to a waiting launcher, c exits 69 knowing none, and round 1 runs on b alone."""
+    done = tmp_path / "done"
+    script = tmp_path / "until_done.py"
+    script.write_text(
+        "import os, time\nimport jddp\njddp.initialize()\nprint('joined', flush=True)\n"
+        f"while not os.path.exists({str(done)!r}):\n    time.sleep(0.1)\n"
+    )
+    port = net.free_port()
+    argv = [
+        sys.executable, "-m", "jddp.launch", "--nnodes", "1:2", "--coordinator", f"127.0.0.1:{port}", "-n", "1",
+        "--devices-per-process", "1", "--join-wait", "1", "--peer-timeout", str(PEER_TIMEOUT), str(script),
+    ]  # fmt: skip
+    logs = {name: tmp_path / f"launcher-{name}.txt" for name in "abc"}
+    launchers: dict[str, subprocess.Popen] = {}
+
+    def start(name: str) -> None:
+        with open(logs[name], "wb") as f:
+            launchers[name] = subprocess.Popen(
+                argv, env=multiprocess.environment(), stdout=f, stderr=subprocess.STDOUT, cwd=multiprocess.ROOT
+            )
+
+    def wait_for(what: str, names: str, count: int = 1) -> None:
+        deadline = time.monotonic() + 120
+        while sum(logs[n].read_text().count(what) for n in names) < count:
+            assert time.monotonic() < deadline, "\n".join(logs[n].read_text() for n in names)
+            time.sleep(0.1)
+
+    try:
+        start("a")
+        deadline = time.monotonic() + 60
+        while not net.answers("127.0.0.1", port + 1):
+            assert time.monotonic() < deadline and launchers["a"].poll() is None, logs["a"].read_text()
+            time.sleep(0.1)
+        start("b")
+        wait_for("joined", "ab", 2)  # round 0 runs on two: MAX
+        start("c")
+        wait_for("its successor is the first to answer of:", "c")  # c waits, and knows the candidates
+        launchers["a"].send_signal(signal.SIGKILL)
+        launchers["a"].wait(10)
+        wait_for("joined", "bc", 3)  # round 1: b's process and c's
+        done.touch()
+        codes = {name: launchers[name].wait(60) for name in "bc"}
+    finally:
+        for launcher in launchers.values():
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(30)
+    said = {name: logs[name].read_text() for name in "bc"}
+    assert codes == {"b": 0, "c": 0}, said
+    assert "round 1: 2 node(s), 2 process(es) (node 0 lost)" in said["b"], said["b"]
+    assert "joined the rendezvous of the next node 0" in said["c"], said["c"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jddp import net
+from jddp import exitcodes, net
 from jddp.cli.launch import service
 from tests import multiprocess
 
@@ -144,6 +144,11 @@ def test_elastic_node_0_sigkilled_leaves_no_workers_or_service(tmp_path):
         started = descendants(a.pid)
         assert len(started) >= 3, describe(started)  # its worker, the service, the watcher
         took = kill_and_time(a, started, logs[0])
+        # Node 1, the only candidate left, succeeds node 0 and ends below MIN, naming what was lost.
+        assert launchers[1].wait(60) == exitcodes.EXIT_PEER_LOST, logs[1].read_text()[-3000:]
+        said = logs[1].read_text()
+        assert "this launcher is node 0 from round 1 on" in said, said[-3000:]
+        assert "1 node(s) left, below --nnodes MIN=2 (lost: node 0 (127.0.0.1:" in said, said[-3000:]
     finally:
         for launcher in launchers:
             if launcher.poll() is None:

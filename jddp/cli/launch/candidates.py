@@ -6,7 +6,8 @@ every launcher of ``--nnodes MIN:MAX`` reserves, from its start, the two ports i
 rendezvous (bound and listening, not yet served) and ``P - 1`` for the coordination service (bound, released right
 before the service starts), on the address of this host that reaches the ``--coordinator``'s host. It says the
 rendezvous address (its *candidate* address) when it joins; node 0 sends every launcher the ordered list of them
-with each round (the round's nodes by node rank, then those waiting to be admitted).
+with each round (the round's nodes by node rank, then those waiting to be admitted), and again when a launcher joins
+while a round runs.
 
 When node 0's rendezvous is gone (its connection closed, or silent for the peer timeout), each launcher stops its
 processes, as for any lost node, and walks the list in order (``succeed``): the first candidate that answers is the

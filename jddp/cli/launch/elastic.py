@@ -72,8 +72,11 @@ def run(launcher: api.RoundLauncher) -> int:
             reservation.close()
         return 1
 
-    def host(server: rendezvous.Server, base: config_lib.LaunchConfig, first_round: int, awaiting: list[str]) -> int:
-        return Host(launcher, server, base=base, first_round=first_round, awaiting=awaiting, why="node 0 lost").run()
+    def host(
+        server: rendezvous.Server, base: config_lib.LaunchConfig, first_round: int, awaiting: list[str], lost: str
+    ) -> int:
+        return Host(launcher, server, base=base, first_round=first_round, awaiting=awaiting, why="node 0 lost",
+                    lost=[lost]).run()  # fmt: skip
 
     return member.Guest(launcher, client, reservation, host).run()
 
@@ -111,6 +114,7 @@ class Host:
         first_round: int = 0,
         awaiting: list[str] | None = None,
         why: str = "the first round",
+        lost: list[str] | None = None,
     ) -> None:
         """A node 0 from the start, or (``first_round`` > 0) the successor of a node 0 that was lost: ``base`` with
         its own coordinator, the candidates ``awaiting`` that may still join it for round ``first_round``."""
@@ -126,8 +130,9 @@ class Host:
         self.failures = 0  # rounds that failed first on this node
         self.members: list[rendezvous.Member] = []  # the round's other nodes, by node rank
         self.admitting, self.admitting_since = False, 0.0
-        self.lost: list[str] = []  # this round's nodes found gone, said once each
+        self.lost: list[str] = list(lost or [])  # this round's nodes found gone, said once each
         self.round_start = 0.0
+        self.told: set[int] = set()  # the launchers waiting to be admitted that were sent the candidates
         self.why = ""  # why the round being formed was formed
         self.failed_round: int | None = None  # a round that failed: its reports are read at the next gather
 
@@ -284,6 +289,11 @@ class Host:
             launcher.stop_for_restart()
             return "lost", None
         waiting = [m for m in self.server.alive() if m not in self.members]
+        if any(m.key not in self.told for m in waiting):  # joined while the round runs: every launcher learns the
+            self.told |= {m.key for m in waiting}  # longer order of candidates, should node 0 be lost before the next
+            order = [n.candidate for n in self.members + waiting if n.candidate is not None]
+            for m in self.members + waiting:
+                m.send({"op": "candidates", "candidates": order})
         if waiting and not self.admitting and len(self.members) + 1 < c.max_nodes:
             started = launcher.first_step_taken()
             if started or time.monotonic() - self.round_start > ADMIT_AFTER_S:

@@ -5,8 +5,9 @@ Node 0's loss is survived like any other node's while MIN nodes remain: this lau
 (their snapshots stay in memory, as when another node is lost), walks the candidates node 0 sent with the last round
 (``jddp.cli.launch.candidates``), and joins the first that answers with the job's token; or, reaching its own
 address first, hosts the rendezvous and the coordination service of the next round itself (``host``, given by
-``jddp.cli.launch.elastic``). Without a candidate list (a launcher that joined after the last round started and was
-never sent one) or when no candidate answers, it ends with a summary of what was lost and how to go on, exit 69.
+``jddp.cli.launch.elastic``). Node 0 sends the list with every round, and to every launcher when one joins while a
+round runs. Without a list (node 0 lost before it saw this launcher join) or when no candidate answers, it ends with
+a summary of what was lost and how to go on, exit 69.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ ROUND_FIELDS = ("round", "nnodes", "node_rank", "process_offset", "world")
 class Guest:
     """A node other than 0: joins node 0's rendezvous and runs the rounds it is given.
 
-    ``host(server, base, first_round, awaiting)`` runs the rounds as node 0 (``elastic.Host``) when this launcher
-    succeeds a lost node 0, and returns the exit code.
+    ``host(server, base, first_round, awaiting, lost)`` runs the rounds as node 0 (``elastic.Host``) when this
+    launcher succeeds a lost node 0 (``lost`` says which and why), and returns the exit code.
     """
 
     def __init__(
@@ -38,13 +39,14 @@ class Guest:
         launcher: api.RoundLauncher,
         client: rendezvous.Client,
         reservation: candidates.Reservation | None,
-        host: Callable[[rendezvous.Server, config_lib.LaunchConfig, int, list[str]], int],
+        host: Callable[[rendezvous.Server, config_lib.LaunchConfig, int, list[str], str], int],
     ) -> None:
         self.launcher, self.client, self.reservation, self.host = launcher, client, reservation, host
         self.base = launcher.config
         self.say = launcher.say
         self.ended: tuple[int, str] | None = None  # node 0's "end" (code, why)
         self.host_gone: str | None = None
+        self.gone_why = ""  # why node 0 was found gone, for the summaries
         self.order: list[str] = []  # the coordinator candidates, as node 0 sent them last
         self.last_round = -1
         self.node0 = f"{self.base.coordinator} port + 1"  # the rendezvous this launcher is a member of
@@ -118,6 +120,7 @@ class Guest:
                 gone = self.client.gone()
                 if gone is not None:
                     self.say(f"node 0's rendezvous is gone ({gone})")
+                    self.gone_why = gone
                     return None
                 continue
             if message.get("op") == "end":
@@ -125,8 +128,10 @@ class Guest:
                 code = code if isinstance(code, int) and not isinstance(code, bool) else 1
                 self.say(f"node 0 ended the run: {message.get('why', '')} (exit {code})")
                 return code
-            if message.get("op") == "candidates":
+            if message.get("op") == "candidates":  # waiting to be admitted
                 self.take_candidates(message)
+                self.say("should node 0 be lost before the next round, its successor is the first to answer of: "
+                         + ", ".join(self.order))  # fmt: skip
             if message.get("op") == "round" and all(isinstance(message.get(k), int) for k in ROUND_FIELDS):
                 self.take_candidates(message)
                 return message
@@ -136,7 +141,7 @@ class Guest:
         launcher = self.launcher
         gone = self.client.gone()
         if gone is not None:
-            self.host_gone = gone
+            self.host_gone = self.gone_why = gone
             self.say(f"node 0's rendezvous is gone ({gone}): stopping this node's processes, as for a lost node")
             launcher.stop_for_restart()
             return "lost", None
@@ -162,10 +167,14 @@ class Guest:
         ends the run with what was lost and how to go on (exit 69)."""
         c = self.base
         silence = c.peer_timeout or config_lib.DEFAULT_PEER_TIMEOUT_S
+        while (message := self.client.next_message(0)) is not None:  # node 0's last lines, read before its end
+            if message.get("op") == "candidates":
+                self.take_candidates(message)
         mine = self.reservation.rendezvous if self.reservation is not None else None
         if not self.order or mine is None:
             return self.cannot_go_on("no coordinator candidate is known here" if mine else "this launcher has none")
-        self.say(f"node 0 is lost after round {self.last_round}: trying the coordinator candidates in order: "
+        after = f"after round {self.last_round}" if self.last_round >= 0 else "before this launcher ran a round"
+        self.say(f"node 0 is lost {after}: trying the coordinator candidates in order: "
                  + ", ".join(self.order))  # fmt: skip
 
         def join(address: str) -> rendezvous.Client:
@@ -191,14 +200,14 @@ class Guest:
             self.client.close()
             awaiting = self.order[self.order.index(mine) + 1 :]
             base = dataclasses.replace(c, coordinator=self.reservation.coordinator)
-            return self.host(server, base, self.last_round + 1, awaiting)
+            return self.host(server, base, self.last_round + 1, awaiting, f"node 0 ({self.node0}): {self.gone_why}")
         return self.cannot_go_on("no coordinator candidate answered")
 
     def cannot_go_on(self, why: str) -> int:
         """The run ends here: says what was lost, where it stood, and the command that goes on from the checkpoint."""
         command = shlex.join(["jddp", "launch", *sys.argv[1:]])
         self.say(
-            f"the run cannot go on without node 0 ({self.node0}): {why}. Lost: node 0, after round "
+            f"the run cannot go on without node 0 ({self.node0}): {why}. Lost: node 0 ({self.gone_why}), after round "
             f"{self.last_round}. The run resumes from its newest checkpoint (the script's checkpoint directory) when "
             f"its launchers start again, the same line on each node: {command} (exit {exitcodes.EXIT_PEER_LOST})"
         )
