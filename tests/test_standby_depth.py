@@ -93,3 +93,32 @@ def test_a_priority_the_rate_limit_refused_is_written_at_the_next_poll_and_an_im
     p.set_nice(101, 19)  # the newer value replaces the one still pending
     p.retry_renice()
     assert p.renice == {} and written[-1] == ("/proc/101/autogroup", "19")
+
+
+@pytest.mark.parametrize(
+    ("woken", "covered", "first_step", "early"),
+    list(itertools.product((True, False), repeat=4)),
+    ids=lambda v: str(v),
+)
+def test_the_next_generation_starts_at_once_after_a_wake_unless_the_next_attempt_stands_by_already(
+    monkeypatch, woken, covered, first_step, early
+):
+    """``Launcher.prepare_restart``: an attempt woken from standby prepares at once when the next attempt has no
+    standby (a second failure right after the restart needs one); otherwise, as any attempt, once its first step is
+    taken or ``PREPARE_AFTER_S`` passed (its start-up, or the woken group's restore, has the CPUs first)."""
+    from jddp.cli.launch import supervisor, workers
+
+    launcher = supervisor.Launcher(launch_lib.LaunchConfig(target="train", module=True, nprocs=2, max_restarts=3))
+    try:
+        called: list[int] = []
+        monkeypatch.setattr(launcher.spares, "prepare", called.append)
+        monkeypatch.setattr(launcher.spares, "next_standing_by", lambda: covered)
+        monkeypatch.setattr(launcher, "first_step_taken", lambda: first_step)
+        launcher.attempt, launcher.attempt_start = 1, supervisor.time.time() - (0 if early else 10)
+        how = "woken" if woken else "handed"
+        launcher.group.workers = [workers.Worker(p, None, from_spare=how) for p in range(2)]  # type: ignore[arg-type]
+        launcher.prepare_restart()
+        expected = (woken and not covered) or first_step or not early
+        assert called == ([1] if expected else [])
+    finally:
+        launcher.notes.remove()

@@ -124,14 +124,15 @@ Standby depth: ``--standby-depth K`` (default 2) keeps the next K attempts stand
 process per local process and a coordination service of its own (never past ``--max-restarts``). Generations are
 prepared one at a time, nearest first (imports, joining, building, compiling): attempt k + 2's spares start once
 attempt k + 1's stand by, so the CPUs go first to the standby the next failure needs. An attempt woken from standby
-prepares the next generation at once (its processes import and compile nothing; an attempt started anew waits for
-its first step, or ``PREPARE_AFTER_S``, as its start-up needs the CPUs), so that a second failure right after a
-restart finds attempt k + 2 already standing by: the launcher says ``woken from standby`` again. Each generation
-costs memory: nprocs processes holding the model, the optimizer state and the compiled step (290 to 400 MiB each
-for the MNIST-1D MLP, plus 155 MiB for its service, measured on this 2-core machine on 2026-11-29); depth 1 halves
-what waits. Every generation not woken is ended with the run (SIGKILL to each process's session, its service
-stopped). A failure while the next generation still prepares, all its processes running, waits for it (up to
-``STANDBY_WAIT_S``, 30 s) rather than ending it: what it has left is less than what processes started anew do.
+whose next attempt has no standby prepares the next generation at once (its processes import and compile nothing);
+any other attempt waits for its first step, or ``PREPARE_AFTER_S``: its start-up, or the woken processes' restore,
+has the CPUs first. With depth 2 a second failure right after a restart finds attempt k + 2 already standing by: the
+launcher says ``woken from standby`` again. Each generation costs memory: nprocs processes holding the model, the
+optimizer state and the compiled step (290 to 400 MiB each for the MNIST-1D MLP, plus 155 MiB for its service,
+measured on this 2-core machine on 2026-11-29); depth 1 halves what waits. Every generation not woken is ended with
+the run (SIGKILL to each process's session, its service stopped). A failure while the next generation still
+prepares, all its processes running, waits for it (up to ``STANDBY_WAIT_S``, 30 s) rather than ending it: what it
+has left is less than what processes started anew do.
 
 Priority while preparing: ``--standby-nice N`` (default 0: off) sets the autogroup nice value of spares and
 standby processes while they import and compile, and 0 again once they stand by or take a role. The launcher starts

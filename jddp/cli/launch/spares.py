@@ -166,6 +166,10 @@ class SparePool:
         spares = {rank: self.start(rank) for rank in range(c.nprocs)} if c.spares else {}
         self.generations.append(Generation(upcoming, next_service, spares))
 
+    def next_standing_by(self) -> bool:
+        """Whether the nearest generation stands by (a failure now would find its attempt ready)."""
+        return bool(self.generations) and self.generations[0].standing_by(self.config.nprocs)
+
     def take(self, attempt: int) -> Generation | None:
         """The generation prepared for attempt ``attempt``, no longer kept here, or None (those of earlier attempts
         are ended). Spares that wait at their imports serve any attempt."""

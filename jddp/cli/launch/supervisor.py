@@ -31,7 +31,7 @@ STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # With a restart left: how long after an attempt's start the spares and the next coordination service start when
 # the processes' goodput ledger does not say earlier that they are past their first step (a script without fit). An
-# attempt woken from standby prepares the next generation at once: its processes import and compile nothing.
+# attempt woken from standby prepares the next generation at once unless the next attempt stands by already.
 PREPARE_AFTER_S = 3.0
 
 
@@ -197,13 +197,17 @@ class Launcher:
     def prepare_restart(self) -> None:
         """With a restart left: prepares the next attempts' generations (``spares.SparePool.prepare``: their
         coordination services and spares, standing by where possible), so that a restart waits for neither. An
-        attempt woken from standby does so at once; any other once its processes are past their first step (or
-        ``PREPARE_AFTER_S`` after its start): their start-up needs the CPUs."""
+        attempt woken from standby does so at once when the next attempt has no standby yet (its own processes
+        import and compile nothing); any other attempt, and a woken one whose next attempt stands by already, once
+        its processes are past their first step (or ``PREPARE_AFTER_S`` after its start): their start-up, or the
+        woken processes' restore and first step, need the CPUs more."""
         c = self.config
         if not self.restart_follows() or c.transport != "xla":
             return
         woken = any(w.from_spare == "woken" for w in self.group.workers)
-        if not woken and time.time() - self.attempt_start < PREPARE_AFTER_S and not self.first_step_taken():
+        covered = self.spares.next_standing_by()
+        at_once = woken and not covered
+        if not at_once and time.time() - self.attempt_start < PREPARE_AFTER_S and not self.first_step_taken():
             return
         self.spares.prepare(self.attempt)
 
