@@ -84,7 +84,13 @@ VARIABLES: dict[str, Variable] = _declare(
     Variable("JDDP_PROCESS_ID", "int", None, "this process's index in the group, 0 to JDDP_NUM_PROCESSES - 1"),
     Variable("JDDP_LOCAL_DEVICES", "int", None, "simulated CPU devices in this process", minimum=1),
     Variable("JDDP_PEER_TIMEOUT", "float", 30.0, "seconds before a silent peer counts as dead"),
-    Variable("JDDP_INIT_TIMEOUT", "float", 120.0, "seconds jddp.initialize waits for the group to form"),
+    Variable(
+        "JDDP_INIT_TIMEOUT",
+        "float",
+        120.0,
+        "the start-up timeout: seconds jddp.initialize waits for the group to form, and every process for each jddp "
+        "program's first run",
+    ),
     Variable("JDDP_TRANSPORT", "choice", "xla", "how DataParallel sums gradients", choices=("xla", "mpi")),
     # the stall detector (jddp.runtime.progress)
     Variable("JDDP_STALL", "bool", True, "the stall detector on (flight records and exit 70 when the group stalls)"),

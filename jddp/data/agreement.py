@@ -9,7 +9,7 @@ import numpy as np
 
 from jddp.data import buckets
 from jddp.data import sampler as sampler_lib
-from jddp.runtime import dispatch, watchdog
+from jddp.runtime import dispatch, first_run, watchdog
 
 # Room for one process's loader settings as JSON in the all-gather that compares them (with buckets' boundaries).
 _SETTINGS_BYTES = 2048
@@ -42,6 +42,7 @@ def agree(sampler: sampler_lib.DistributedBatchSampler) -> None:
     row = np.zeros(_SETTINGS_BYTES, np.uint8)
     row[: len(text)] = np.frombuffer(text, np.uint8)
     dispatch.DISPATCHER.drain()  # no other program with collectives in flight
+    first_run.meet_once(first_run.GLOBAL_DEVICES, "the data loaders' agreement")  # gloo's window opens with all
     with watchdog.waiting():
         rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), _SETTINGS_BYTES)
     every = [json.loads(bytes(r).rstrip(b"\0")) for r in rows]

@@ -127,6 +127,14 @@ def get_args_parser(prog: str = "jddp launch") -> argparse.ArgumentParser:
         f"(default: $JDDP_PEER_TIMEOUT if set, else {DEFAULT_PEER_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--init-timeout",
+        type=envvars.seconds(),
+        default=None,
+        metavar="S",
+        help="the start-up timeout: seconds to form the group and for every process to reach each jddp program's "
+        "first run (default: $JDDP_INIT_TIMEOUT if set, else 120)",
+    )
+    parser.add_argument(
         "--no-malloc-tuning",
         action="store_true",
         help="do not set GLIBC_TUNABLES for the processes (default: set it, unless already set)",
@@ -211,6 +219,7 @@ class LaunchConfig:
     flush_grace: float = 1.0  # seconds between the flush signal and SIGKILL (jddp.runtime.flush)
     job_token_file: str | None = None  # the job's token in a file (jddp.cli.job_token); None: $JDDP_JOB_TOKEN, ...
     peer_timeout: float | None = None  # seconds before a silent peer counts as dead (JDDP_PEER_TIMEOUT)
+    init_timeout: float | None = None  # the start-up timeout (JDDP_INIT_TIMEOUT)
     malloc_tuning: bool = True  # set GLIBC_TUNABLES for the processes unless already set
     cpu_share: bool = False  # each process its share of this node's cores (affinity, XLA and OpenMP threads)
     spares: bool = True  # with max_restarts > 0, spare processes with the imports done wait for a restart
@@ -287,6 +296,7 @@ class LaunchConfig:
             "term_timeout",
             "flush_grace",
             "peer_timeout",
+            "init_timeout",
             "join_timeout",
             "join_wait",
         ):

@@ -71,6 +71,8 @@ def environment(config: config_lib.LaunchConfig, local_rank: int, coordinator: s
         env["JDDP_LOCAL_DEVICES"] = str(config.devices_per_process)
     if config.peer_timeout is not None:
         env["JDDP_PEER_TIMEOUT"] = str(config.peer_timeout)
+    if config.init_timeout is not None:
+        env["JDDP_INIT_TIMEOUT"] = str(config.init_timeout)
     return env
 
 
