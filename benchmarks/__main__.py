@@ -66,6 +66,10 @@ ALL: list[tuple[str, str, list[str], str | None]] = [
     ("loader_throughput", "loader_throughput", [], None),
     ("bucketing", "bucketing", [], None),
     ("checkpoint_stall", "checkpoint_stall", [], None),
+    ("busy_start", "busy_start", ["--runs", "10"], None),
+    ("standby_compile", "standby_compile", ["--repeats", "10"], None),
+    ("standby_priority", "standby_priority", ["--rounds", "3", "--nice", "0,10,19"], None),
+    ("two_launcher_bound", "two_launcher_bound", [], None),
 ]  # fmt: skip
 # Benchmarks with a results file of their own besides the record (its flag): ``all`` points it into DIR.
 OWN_FILE = {"elastic": "--out", "readme_command": "--out", "soak": "--out"}
