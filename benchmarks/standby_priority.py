@@ -1,5 +1,4 @@
-"""Does a lower CPU priority for standby processes while they prepare spare the attempt they wait behind, and what
-does it cost their readiness?
+"""Does a lower priority for preparing standby processes spare the running attempt, and at what readiness cost?
 
     python -m benchmarks standby_priority [--rounds 3] [--nice 0,10,19] [--busy 0] [--epochs 30]
 
