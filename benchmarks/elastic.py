@@ -325,7 +325,7 @@ def summary(results: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, flo
     return out
 
 
-QUICK: dict[str, Any] = {"repeats": 1, "epochs": 1, "scenarios": "loss"}  # --quick: a tiny size
+QUICK: dict[str, Any] = {"repeats": 1, "epochs": 1, "save_every": 5, "scenarios": "loss"}  # --quick: a tiny size
 
 
 def get_args_parser() -> argparse.ArgumentParser:

@@ -173,8 +173,7 @@ class Guest:
         mine = self.reservation.rendezvous if self.reservation is not None else None
         if not self.order or mine is None:
             return self.cannot_go_on("no coordinator candidate is known here" if mine else "this launcher has none")
-        after = f"after round {self.last_round}" if self.last_round >= 0 else "before this launcher ran a round"
-        self.say(f"node 0 is lost {after}: trying the coordinator candidates in order: "
+        self.say(f"node 0 is lost {self.after()}: trying the coordinator candidates in order: "
                  + ", ".join(self.order))  # fmt: skip
 
         def join(address: str) -> rendezvous.Client:
@@ -203,12 +202,15 @@ class Guest:
             return self.host(server, base, self.last_round + 1, awaiting, f"node 0 ({self.node0}): {self.gone_why}")
         return self.cannot_go_on("no coordinator candidate answered")
 
+    def after(self) -> str:
+        return f"after round {self.last_round}" if self.last_round >= 0 else "before this launcher ran a round"
+
     def cannot_go_on(self, why: str) -> int:
         """The run ends here: says what was lost, where it stood, and the command that goes on from the checkpoint."""
         command = shlex.join(["jddp", "launch", *sys.argv[1:]])
         self.say(
-            f"the run cannot go on without node 0 ({self.node0}): {why}. Lost: node 0 ({self.gone_why}), after round "
-            f"{self.last_round}. The run resumes from its newest checkpoint (the script's checkpoint directory) when "
+            f"the run cannot go on without node 0 ({self.node0}): {why}. Lost: node 0 ({self.gone_why}), "
+            f"{self.after()}. The run resumes from its newest checkpoint (the script's checkpoint directory) when "
             f"its launchers start again, the same line on each node: {command} (exit {exitcodes.EXIT_PEER_LOST})"
         )
         return exitcodes.EXIT_PEER_LOST
