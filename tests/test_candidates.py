@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from jddp.cli import reports
 from jddp.cli.launch import candidates, rendezvous
 
 TOKEN = b"t" * 32
@@ -89,7 +90,7 @@ def test_a_candidate_that_is_gone_is_passed_at_once_not_after_the_join_timeout()
     assert time.monotonic() - started < 10  # not the 20 s join timeout (a refusal takes milliseconds)
 
 
-def test_a_rendezvous_served_on_a_reserved_socket_admits_a_member_and_learns_its_candidate_address():
+def test_a_rendezvous_served_on_a_reserved_socket_admits_a_member_learns_its_candidate_and_refuses_a_stray():
     host_side, member_side = candidates.Reservation("127.0.0.1"), candidates.Reservation("127.0.0.1")
     server = rendezvous.Server("127.0.0.1", host_side.port, 10.0, TOKEN, listener=host_side.take_listener())
     try:
@@ -101,6 +102,10 @@ def test_a_rendezvous_served_on_a_reserved_socket_admits_a_member_and_learns_its
                 server.wait(0.1)
             (member,) = server.alive()
             assert (member.name, member.nprocs, member.candidate) == ("m", 2, member_side.rendezvous)
+            # the successor's rendezvous still requires the job token: another is refused, named, and not admitted
+            with pytest.raises(reports.Refused, match="job token differs"):
+                rendezvous.Client(("127.0.0.1", host_side.port), "stray", 1, 30.0, 10.0, b"s" * 32)
+            assert [m.name for m in server.alive()] == ["m"]
         finally:
             client.close()
     finally:
