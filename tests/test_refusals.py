@@ -136,7 +136,7 @@ ELSEWHERE = {
     "jddp.cli.launch.rendezvous:Server.__init__": "elastic launchers (tests/test_elastic.py)",
     "jddp.cli.launch.rendezvous:Server._serve": "elastic launchers (tests/test_elastic.py)",
     "jddp.cli.launch.service:ServiceManager.spawn": "the launcher's coordination service (tests/test_launch.py)",
-    "jddp.cli.launch.service:ServiceManager.stop": "the launcher's coordination service (tests/test_launch.py)",
+    "jddp.cli.launch.service:ServiceManager.end": "a standby generation's service ended (tests/test_spares.py)",
     "jddp.cli.launch.snapshots:make_locked_dir": "the launcher's snapshot folder (tests/test_snapshot*.py)",
     "jddp.cli.launch.workers:spawn": "the launcher's worker group (tests/test_launch.py)",
     "jddp.cli.reports:ReportServer.__init__": "node launchers' reports (tests/test_nodes*.py)",

@@ -159,7 +159,9 @@ Elastic membership (``--nnodes MIN:MAX``): the launchers meet at node 0's rendez
 started on the coordinator's host, listening at its port + 1), which numbers the nodes of each round, ends a round
 at once when a node's launcher is gone, drops a node whose processes failed more than ``--max-restarts`` times,
 admits a node that joins at a step every process agrees on (the preemption save), and ends the run, every launcher
-exiting 69, below MIN nodes. Each process gets ``JDDP_MEMBERSHIP``; see ``jddp.cli.launch.elastic`` and the launch
+exiting 69, below MIN nodes. Node 0 can be lost too: the next coordinator candidate hosts the rendezvous and the
+coordination service of the next round (``jddp.cli.launch.candidates``, ``jddp.cli.launch.member``). Each process
+gets ``JDDP_MEMBERSHIP``; see ``jddp.cli.launch.elastic`` and the launch
 guide.
 
 From Python: ``launch(config_from_args(get_args_parser().parse_args(argv)))``, or
@@ -172,7 +174,9 @@ This package's docstring is the launcher's manual; its modules hold one job each
 0's coordination service), ``spares`` (spares and standby), ``nodes`` (the other nodes: reports, node 0's service),
 ``notes`` (what the processes tell the launcher), ``failure`` (the first failure, the summary, the exit code),
 ``snapshots`` (the snapshot directory), ``mpi`` (``--transport mpi``), ``rendezvous`` (elastic membership's
-protocol), ``elastic`` (the rounds of ``--nnodes MIN:MAX``), ``api`` (what those rounds need of a launcher) and
+protocol), ``elastic`` (the rounds of ``--nnodes MIN:MAX``), ``member`` (a node other than 0 in those rounds),
+``candidates`` (node 0's successors), ``orphans`` (no process outlives its launcher), ``api`` (what those rounds
+need of a launcher) and
 ``supervisor`` (the attempt loop, ``launch``, ``main``). The output handling is in ``jddp.cli.output``, the spares'
 side in ``jddp.cli.spare``.
 """
