@@ -26,6 +26,7 @@ Prints one table and, with ``--json``, the harness's record.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -36,12 +37,15 @@ from typing import Any
 
 from benchmarks import harness
 
-QUICK: dict[str, Any] = {"steps": 3, "rounds": 3, "timed_steps": 2, "batch_per_device": 8, "bench": False}
+# --quick: the LM at one layer over 16 tokens (its compile is most of a quick run's time; the claims are the same)
+QUICK: dict[str, Any] = {
+    "steps": 3, "rounds": 3, "timed_steps": 2, "batch_per_device": 8, "bench": False, "lm_layers": 1, "lm_seq_len": 16
+}  # fmt: skip
 MODELS = ("mlp", "cnn", "lm")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=harness.question(__doc__))
     p.add_argument("--devices", type=int, default=None, help="simulate N CPU devices (default: the devices present)")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated, of mlp, cnn, lm (default: all)")
     p.add_argument("--steps", type=int, default=10, help="SGD steps compared with plain jit")
@@ -50,17 +54,20 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--timed-steps", type=int, default=20, help="steps per timing round")
     p.add_argument("--batch-per-device", type=int, default=64, help="examples per device (the LM: 4 times fewer)")
     p.add_argument("--no-bench", dest="bench", action="store_false", help="leave out jddp bench")
+    p.add_argument("--lm-layers", type=int, default=2, help="the LM's Transformer blocks (benchmarks/lm.py: 2)")
+    p.add_argument("--lm-seq-len", type=int, default=64, help="the LM's tokens per example (benchmarks/lm.py: 64)")
     return p
 
 
-def model_of(name: str, mesh, batch_per_device: int, *, float32: bool = False):
-    """``(loss_fn, params, model_state, batch)`` of a model in jddp's contract, the batch global and on the host."""
+def model_of(name: str, mesh, args, *, float32: bool = False):
+    """``(loss_fn, params, model_state, batch)`` of a model in jddp's contract, the batch global and on the host
+    (``args.batch_per_device`` examples per device; the LM's size from ``args.lm_layers`` and ``args.lm_seq_len``)."""
     import jax.numpy as jnp
 
     import jddp
     from jddp.benchmark import models
 
-    n = mesh.size
+    n, batch_per_device = mesh.size, args.batch_per_device
     if name in ("mlp", "cnn"):
 
         def loss_fn(params, model_state, batch, rng):
@@ -71,12 +78,21 @@ def model_of(name: str, mesh, batch_per_device: int, *, float32: bool = False):
 
     from benchmarks import lm
 
-    config = lm.Config(global_batch_size=max(n, n * batch_per_device // 4))
+    config = lm.Config(
+        global_batch_size=max(n, n * batch_per_device // 4), layers=args.lm_layers, seq_len=args.lm_seq_len
+    )
     model = lm.Transformer(config, dtype=jnp.float32 if float32 else jnp.bfloat16, rngs=nnx.Rngs(config.seed))
     graphdef, params, model_state = jddp.models.nnx_split(model)
-    data = lm.train_windows(config)
-    batch = {k: v[: config.global_batch_size] for k, v in data.items()}
+    batch = {k: v[: config.global_batch_size] for k, v in lm_windows(config.seq_len).items()}
     return jddp.models.nnx_loss(graphdef, lm.loss), params, model_state, batch
+
+
+@functools.cache
+def lm_windows(seq_len: int) -> dict[str, Any]:
+    """The LM's training windows (``benchmarks/lm.py``: the standard library cut, seconds), cut once per run."""
+    from benchmarks import lm
+
+    return lm.train_windows(lm.Config(seq_len=seq_len))
 
 
 def mean_of(loss) -> Any:
@@ -94,7 +110,7 @@ def equality(name: str, mesh, args) -> float:
 
     import jddp
 
-    loss_fn, params, model_state, batch = model_of(name, mesh, args.batch_per_device, float32=True)
+    loss_fn, params, model_state, batch = model_of(name, mesh, args, float32=True)
     optimizer = optax.sgd(0.1)
     dp = jddp.DataParallel(loss_fn, optimizer, mesh=mesh)
     state = dp.init(jax.tree.map(np.array, params), model_state)
@@ -128,7 +144,7 @@ def speed_and_memory(name: str, mesh, args) -> dict[str, Any]:
     import jddp
     from jddp.benchmark import models
 
-    loss_fn, params, model_state, batch = model_of(name, mesh, args.batch_per_device)
+    loss_fn, params, model_state, batch = model_of(name, mesh, args)
     optimizer = optax.adam(1e-3)
     sharded = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     engines, states = {}, {}

@@ -36,6 +36,7 @@ class Config:
     max_input_length: int = 64
     num_epochs: int = 3
     train_size: int = 4096
+    eval_size: int = 512
     seed: int = 0
     embedding_size: int = 32
     hidden_size: int = 32
@@ -132,7 +133,7 @@ def train_epoch(train_step_fn, state, train_batches, epoch: int, rngs: dict):
 
 def train_and_evaluate(config: Config, workdir: str) -> TrainState:
     train_dataset = input_pipeline.TextDataset(split="train", seed=config.seed, size=config.train_size)
-    eval_dataset = input_pipeline.TextDataset(split="validation", seed=config.seed)
+    eval_dataset = input_pipeline.TextDataset(split="validation", seed=config.seed, size=config.eval_size)
     train_batches = train_dataset.get_bucketed_batches(
         config.batch_size,
         config.bucket_size,
@@ -162,8 +163,15 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=Config.num_epochs)
     parser.add_argument("--workdir", default="runs/sst2")
     parser.add_argument("--train-size", type=int, default=Config.train_size, help="sentences in the training set")
+    parser.add_argument("--eval-size", type=int, default=Config.eval_size, help="sentences in the validation set")
+    parser.add_argument("--bucket-size", type=int, default=Config.bucket_size, help="the buckets' width in tokens")
     args = parser.parse_args(argv)
-    train_and_evaluate(Config(num_epochs=args.epochs, train_size=args.train_size), args.workdir)
+    train_and_evaluate(
+        Config(
+            num_epochs=args.epochs, train_size=args.train_size, eval_size=args.eval_size, bucket_size=args.bucket_size
+        ),
+        args.workdir,
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class Config:
     max_input_length: int = 64
     num_epochs: int = 3
     train_size: int = 4096
+    eval_size: int = 512
     seed: int = 0
     embedding_size: int = 32
     hidden_size: int = 32
@@ -134,7 +135,7 @@ def train_epoch(train_step_fn, state, train_batches, epoch: int, rngs: dict):
 
 def train_and_evaluate(config: Config, workdir: str) -> TrainState:
     train_dataset = input_pipeline.TextDataset(split="train", seed=config.seed, size=config.train_size)
-    eval_dataset = input_pipeline.TextDataset(split="validation", seed=config.seed)
+    eval_dataset = input_pipeline.TextDataset(split="validation", seed=config.seed, size=config.eval_size)
     boundaries = tuple(range(config.bucket_size, config.max_input_length + 1, config.bucket_size))
     buckets = jddp.data.Buckets(boundaries, length="length", pad={"token_ids": input_pipeline.PAD})
     kw = dict(global_batch_size=config.batch_size, buckets=buckets)
@@ -165,9 +166,16 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=Config.num_epochs)
     parser.add_argument("--workdir", default="runs/sst2")
     parser.add_argument("--train-size", type=int, default=Config.train_size, help="sentences in the training set")
+    parser.add_argument("--eval-size", type=int, default=Config.eval_size, help="sentences in the validation set")
+    parser.add_argument("--bucket-size", type=int, default=Config.bucket_size, help="the buckets' width in tokens")
     args = parser.parse_args(argv)
     jddp.initialize()
-    train_and_evaluate(Config(num_epochs=args.epochs, train_size=args.train_size), args.workdir)
+    train_and_evaluate(
+        Config(
+            num_epochs=args.epochs, train_size=args.train_size, eval_size=args.eval_size, bucket_size=args.bucket_size
+        ),
+        args.workdir,
+    )
 
 
 if __name__ == "__main__":
