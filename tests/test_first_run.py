@@ -87,6 +87,55 @@ def test_a_meeting_that_times_out_names_the_setting_the_value_and_every_missing_
     assert isinstance(raised.value, TimeoutError)
 
 
+class FailingClient(FakeClient):
+    """A barrier that fails at once, as JAX's client raises when the service or a peer fails during it."""
+
+    def __init__(self, text: str):
+        super().__init__({})
+        self.text = text
+
+    def wait_at_barrier(self, name, timeout_ms):
+        raise RuntimeError(self.text)
+
+
+# The coordination service's failures other than the deadline (grpc status names: a peer that died, the service
+# gone, a barrier another process cancelled), each as its first line.
+SERVICE_FAILURES = [
+    f"{status}: {detail}"
+    for status in ("UNAVAILABLE", "ABORTED", "CANCELLED", "INTERNAL", "FAILED_PRECONDITION")
+    for detail in ("Failed to send RPC to coordination service. Connection reset by peer", "task /job:jax/task:1 error")
+]
+
+
+@pytest.mark.parametrize("text", SERVICE_FAILURES)
+def test_a_meeting_that_fails_at_once_is_not_called_a_timeout(monkeypatch, text):
+    """A peer or the service failing during the meeting is named as that, with the service's words, and does not
+    advise a longer start-up timeout (which would not help)."""
+    monkeypatch.setattr(first_run.jax_internals, "distributed_client", lambda: FailingClient(text))
+    monkeypatch.setattr(first_run, "needed", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(first_run, "_count", 0)
+    with pytest.raises(RuntimeError) as raised:
+        first_run.meet("DataParallel.step")
+    message = str(raised.value)
+    assert not isinstance(raised.value, TimeoutError), message
+    assert text.splitlines()[0] in message and "first run of DataParallel.step" in message, message
+    assert "JDDP_INIT_TIMEOUT=" not in message and "A peer or the coordination service failed" in message, message
+
+
+def test_a_timeout_set_by_the_argument_advises_the_argument(monkeypatch):
+    """``jddp.initialize(init_timeout_s=)`` overrides the variable: the advice is the argument alone."""
+    monkeypatch.setattr(first_run.jax_internals, "distributed_client", lambda: FakeClient({}))
+    monkeypatch.setattr(first_run, "needed", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(first_run, "_count", 0)
+    monkeypatch.setattr(first_run, "_setting", (30.0, "init_timeout_s"))
+    with pytest.raises(first_run.StartupTimeoutError) as raised:
+        first_run.meet("DataParallel.step")
+    message = str(raised.value)
+    assert "pass `jddp.initialize(init_timeout_s=120)`" in message and "JDDP_INIT_TIMEOUT=" not in message, message
+
+
 def test_a_peer_that_met_before_another_program_is_named_with_it(monkeypatch):
     """Processes that reach different first runs at the same meeting (one process made another call) are named
     with the program each met before."""

@@ -123,6 +123,15 @@ def meet(what: str) -> None:
         with peer_wait.waiting():
             client.wait_at_barrier(meeting, max(1, int(seconds * 1000)))
     except Exception as error:  # the coordination service raises a generic runtime error
+        if not any(marker in str(error) for marker in _TIMED_OUT):
+            # Not the start-up timeout: the service or a peer failed at the meeting (a peer that died, node 0's
+            # service gone). Raising the timeout would not help, so this error does not advise it.
+            raise RuntimeError(
+                f"The meeting of every process before the first run of {what} failed on process {me} before the "
+                f"start-up timeout ({setting}) ran out: the coordination service said "
+                f"{str(error).splitlines()[0] if str(error) else type(error).__name__!r}. A peer or the coordination "
+                "service failed; the output of the other processes says which."
+            ) from error
         raise StartupTimeoutError(_missed(client, meeting, me, what, seconds, setting, error)) from None
 
 
@@ -148,15 +157,21 @@ def _missed(client, meeting: str, me: int, what: str, seconds: float, setting: s
         who = f"process(es) {missing} did not arrive" if missing else "every process arrived, too late"
         if elsewhere:
             who += "; " + ", ".join(f"process {p} met before {arrived[p]}" for p in elsewhere)
-    env = join_settings.ENV_INIT_TIMEOUT
+    env, longer = join_settings.ENV_INIT_TIMEOUT, f"{max(2 * seconds, 120):g}"
+    if setting.startswith("`jddp.initialize"):  # the argument overrides the variable: only the argument helps
+        raise_it = f"pass `jddp.initialize(init_timeout_s={longer})`"
+    else:
+        raise_it = (
+            f"set {env}={longer} (`jddp launch --init-timeout {longer}` or the variable, which `jddp launch` passes "
+            "to every process) or `jddp.initialize(init_timeout_s=...)`"
+        )
     return (
         f"The processes did not all reach the first run of {what} within the start-up timeout ({setting}) on "
         f"process {me}: {who} ({str(error).splitlines()[0] if str(error) else type(error).__name__}). Every process "
         f"meets there before its first collective, so that gloo's fixed {GLOO_WINDOW_S} s connection window opens with "
         f"every peer present. A process that is only slow (importing, loading data, compiling on a loaded machine) "
-        f"needs a longer start-up timeout: set {env}={max(2 * seconds, 120):g} (`jddp launch` passes the variable "
-        "to every process) or `jddp.initialize(init_timeout_s=...)`; one that never arrives is stuck or took another "
-        "path (its output says where)."
+        f"needs a longer start-up timeout: {raise_it}; one that never arrives is stuck or took another path (its "
+        "output says where)."
     )
 
 
