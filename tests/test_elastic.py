@@ -30,16 +30,28 @@ pytestmark = pytest.mark.multiprocess
 
 
 class Launcher:
-    """One ``jddp launch --nnodes 2:3`` of ``fit_train.py``, its output in files."""
+    """One ``jddp launch --nnodes 2:3`` (or ``nnodes``) of ``fit_train.py``, its output in files; ``flags``:
+    more of the launcher's, ``env``: its processes' own settings (``KILL_AT``, ...)."""
 
-    def __init__(self, tmp: Path, name: str, port: int, out: Path, steps: int, step_sleep: float) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        port: int,
+        out: Path,
+        steps: int,
+        step_sleep: float | str,
+        nnodes: str = "2:3",
+        flags: tuple[str, ...] = (),
+        **env: str,
+    ) -> None:
         self.log = tmp / f"launcher-{name}.txt"
         argv = [
-            sys.executable, "-m", "jddp.launch", "--nnodes", "2:3", "--coordinator", f"127.0.0.1:{port}", "-n", "1",
+            sys.executable, "-m", "jddp.launch", "--nnodes", nnodes, "--coordinator", f"127.0.0.1:{port}", "-n", "1",
             "--devices-per-process", "1", "--join-wait", "3", "--peer-timeout", str(PEER_TIMEOUT), "--kill-grace", "1",
-            FIT_TRAIN, str(out), str(steps),
+            *flags, FIT_TRAIN, str(out), str(steps),
         ]  # fmt: skip
-        env = multiprocess.environment(STEP_SLEEP=str(step_sleep), **BATCHES)
+        env = multiprocess.environment(STEP_SLEEP=str(step_sleep), **BATCHES, **env)
         with open(self.log, "wb") as f:
             self.popen = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=multiprocess.ROOT)
 

@@ -53,6 +53,11 @@ class RoundLauncher(Protocol):
         membership for the processes (``JDDP_MEMBERSHIP``)."""
         ...
 
+    def set_round_ahead(self, config: config_lib.LaunchConfig | None, membership: str = "") -> None:
+        """The round that follows the one starting, where it is known ahead (its configuration and membership), for
+        which this node's next processes stand by (``jddp.runtime.standby``); None: none is known."""
+        ...
+
     def run_round(
         self, number: int, hook: Callable[[], tuple[str, workers.Worker | None] | None]
     ) -> tuple[str, workers.Worker | None]:

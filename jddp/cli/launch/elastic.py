@@ -102,6 +102,28 @@ def membership_environment(current: Round, before: Round | None) -> str:
     return json.dumps(record)
 
 
+def round_ahead(base: config_lib.LaunchConfig, current: Round) -> tuple[config_lib.LaunchConfig | None, str]:
+    """The round after ``current`` where node 0 can know it ahead, and its membership: with two nodes and
+    ``--nnodes`` MIN 1, should the other be lost, the next round is node 0 alone with its own processes, which then
+    stand by for it (``jddp.runtime.standby``: joined, built, compiled). With more nodes the next round after a loss
+    is one of several (one per node that may be lost: the process ids after the lost node's move down) and none is
+    prepared; after a failure or an admission the round is not known either: spares at their imports serve those.
+
+    >>> config = config_lib.LaunchConfig(target="train", module=True, nnodes=2, min_nodes=1, max_nodes=2, nprocs=2,
+    ...                                  coordinator="127.0.0.1:1234")
+    >>> ahead, membership = round_ahead(config, Round(3, ["a (node 0)", "b"], 4, "the first round"))
+    >>> ahead.nnodes, ahead.world, ahead.node_rank, membership
+    (1, 2, 0, '{"round": 4, "nodes": 1, "processes": 2, "why": "a node lost", "before": {"round": 3, "nodes": 2, \
+"processes": 4}}')
+    """
+    assert base.min_nodes is not None
+    if len(current.nodes) != 2 or base.min_nodes > 1:
+        return None, ""
+    alone = Round(current.number + 1, current.nodes[:1], base.nprocs, "a node lost")
+    config = dataclasses.replace(base, nnodes=1, node_rank=0, process_offset=0, world=base.nprocs)
+    return config, membership_environment(alone, current)
+
+
 class Host:
     """Node 0: the rendezvous, the rounds, and its own processes in each."""
 
@@ -262,6 +284,7 @@ class Host:
             m.send({"op": "candidates", "candidates": order})
         config = dataclasses.replace(c, nnodes=len(sizes), node_rank=0, process_offset=0, world=sum(sizes))
         launcher.set_round(config, membership_environment(current, before))
+        launcher.set_round_ahead(*round_ahead(c, current))
         self.say(current.describe() + ": " + ", ".join(f"node {i}: {n}" for i, n in enumerate(names)))
         self.round_start = time.monotonic()
 

@@ -39,6 +39,14 @@ STANDBY_WAIT_S = 30.0
 AUTOGROUP = "/proc/{pid}/autogroup"
 
 
+def same_round(ahead: config_lib.LaunchConfig | None, config: config_lib.LaunchConfig) -> bool:
+    """Whether a generation handed the roles of round ``ahead`` (None: not elastic) serves ``config``'s processes."""
+    if ahead is None:
+        return True
+    fields = ("nnodes", "node_rank", "process_offset", "world", "nprocs")
+    return all(getattr(ahead, f) == getattr(config, f) for f in fields)
+
+
 def set_autogroup_nice(pid: int, nice: int) -> bool:
     """Sets process ``pid``'s autogroup nice value; False when it must be tried again (the host's rate limit for the
     unprivileged), True when done or impossible (no autogroups here, the process gone)."""
@@ -62,6 +70,7 @@ class Generation:
     said_ready: bool = False  # every spare finished its imports (said once, for the nearest generation)
     handed: bool = False  # its spares were handed their standby roles in ``attempt``
     said: bool = False  # the launcher said that it stands by, or that one of it ended before
+    round: config_lib.LaunchConfig | None = None  # an elastic round known ahead, whose roles it was handed (``ahead``)
 
     def standing_by(self, nprocs: int) -> bool:
         """Whether every local process of ``attempt`` stands by, and its service still runs."""
@@ -78,9 +87,10 @@ class Generation:
 class SparePool:
     """The generations by attempt, nearest first.
 
-    ``role_environment(local_rank, coordinator, attempt)`` is the environment of a process's role
-    (``jddp.cli.launch.environment.role_environment`` with the run's own settings); ``services`` starts and stops
-    the generations' coordination services.
+    ``role_environment(local_rank, coordinator, attempt[, ahead])`` is the environment of a process's role
+    (``jddp.cli.launch.environment.role_environment`` with the run's own settings; with ``ahead``, an elastic round's
+    configuration and membership known ahead, that round's); ``services`` starts and stops the generations'
+    coordination services.
     """
 
     def __init__(
@@ -88,7 +98,7 @@ class SparePool:
         config: config_lib.LaunchConfig,
         out: output.Output,
         snapshot_dir: snapshots.SnapshotDir,
-        role_environment: Callable[[int, str, int], dict[str, str]],
+        role_environment: Callable[..., dict[str, str]],
         services: service.ServiceManager | None = None,
     ) -> None:
         self.config = config
@@ -98,6 +108,9 @@ class SparePool:
         self.services = services if services is not None else service.ServiceManager(config)
         self.generations: list[Generation] = []
         self.renice: dict[int, int] = {}  # pid -> the autogroup nice value still to write (the rate limit)
+        # An elastic run's next round where it is known ahead (node 0 of two nodes, MIN 1: the round of this node
+        # alone, should the other be lost): its configuration and membership, which a generation stands by for.
+        self.ahead: tuple[config_lib.LaunchConfig, str] | None = None
 
     def start(self, local_rank: int) -> spare_lib.Spare:
         """Starts the spare of process ``local_rank`` (not kept: see ``prepare``), its autogroup lowered to
@@ -139,7 +152,8 @@ class SparePool:
     # -- generations ------------------------------------------------------------------------------------------------
     def standby_possible(self) -> bool:
         c = self.config
-        return c.spares and c.standby and c.nnodes == 1 and c.coordinator is None and c.transport == "xla"
+        alone = c.nnodes == 1 and c.coordinator is None
+        return c.spares and c.standby and (alone or self.ahead is not None) and c.transport == "xla"
 
     def depth(self, attempt: int) -> int:
         """How many generations to keep while attempt ``attempt`` runs: ``--standby-depth`` with standby, one
@@ -147,8 +161,8 @@ class SparePool:
         (``--max-restarts``; an elastic run's rounds have no last)."""
         c = self.config
         depth = c.standby_depth if self.standby_possible() else 1
-        if c.elastic:
-            return depth
+        if c.elastic:  # one round known ahead at most (``ahead``), else spares at their imports
+            return 1
         return max(0, min(depth, c.max_restarts - attempt))
 
     def prepare(self, attempt: int) -> None:
@@ -160,7 +174,7 @@ class SparePool:
             return
         if any(not g.standing_by(c.nprocs) for g in self.generations):
             return
-        local = c.node_rank == 0 and c.coordinator is None
+        local = c.node_rank == 0 and (c.coordinator is None or self.ahead is not None)
         upcoming = self.generations[-1].attempt + 1 if self.generations else attempt + 1
         next_service = self.services.spawn_local() if local else None
         spares = {rank: self.start(rank) for rank in range(c.nprocs)} if c.spares else {}
@@ -175,8 +189,16 @@ class SparePool:
         are ended). Spares that wait at their imports serve any attempt."""
         while self.generations:
             generation = self.generations.pop(0)
-            if generation.attempt == attempt or not generation.handed:
+            if not generation.handed:
                 return generation
+            if generation.attempt == attempt and same_round(generation.round, self.config):
+                return generation
+            ahead = generation.round
+            if generation.attempt == attempt and ahead is not None:  # an elastic round known ahead that did not come
+                self.output.say(
+                    f"the standby process(es) of round {attempt} were prepared for {ahead.nnodes} node(s), "
+                    f"{ahead.world} process(es), not this round's: ending them, starting its processes anew"
+                )
             self.end(generation)
         return None
 
@@ -227,9 +249,12 @@ class SparePool:
         if not next_service.ready.is_set() or len(generation.spares) != self.config.nprocs:
             return
         generation.handed = True
-        c = self.config
+        c, ahead = self.config, self.ahead
+        if ahead is not None:  # an elastic round known ahead: its processes, its membership
+            c, generation.round = ahead[0], ahead[0]
         for local_rank, spare in generation.spares.items():
-            env = self.role_environment(local_rank, next_service.coordinator, generation.attempt)
+            where = (local_rank, next_service.coordinator, generation.attempt)
+            env = self.role_environment(*where) if ahead is None else self.role_environment(*where, ahead)
             env[environment.ENV_STDOUT_FD] = str(spare.stdout_fd)
             message = spare_lib.role(env, module=c.module, target=c.target, args=c.target_args, standby=True)
             spare.hand(message, int(env["JDDP_PROCESS_ID"]), standby=True)  # one that ended is found at the restart

@@ -83,6 +83,9 @@ class Launcher:
         self.round_hook = None
         return ended
 
+    def set_round_ahead(self, config: config_lib.LaunchConfig | None, membership: str = "") -> None:
+        self.spares.ahead = None if config is None else (config, membership)
+
     def first_step_taken(self) -> bool:
         return self.notes.first_step_taken(self.attempt_start)
 
@@ -101,17 +104,21 @@ class Launcher:
         return self.config.elastic or self.attempt < self.config.max_restarts
 
     # -- one process's start --------------------------------------------------
-    def role_environment(self, local_rank: int, coordinator: str, attempt: int) -> dict[str, str]:
-        """The environment of process ``local_rank`` of attempt ``attempt`` (``environment.role_environment``)."""
+    def role_environment(
+        self, local_rank: int, coordinator: str, attempt: int, ahead: tuple[config_lib.LaunchConfig, str] | None = None
+    ) -> dict[str, str]:
+        """The environment of process ``local_rank`` of attempt ``attempt`` (``environment.role_environment``); with
+        ``ahead``, of that elastic round's configuration and membership (``set_round_ahead``)."""
+        config, membership = ahead if ahead is not None else (self.config, self.membership)
         env = environment.role_environment(
-            self.config,
+            config,
             local_rank,
             coordinator,
             attempt,
             run_start=self.run_start,
             ledger_note=self.notes.ledger,
             snapshot_dir=self.snapshot_dir.path,
-            membership=self.membership,
+            membership=membership,
         )
         env[job_token.ENV] = self.token.decode()
         return env
