@@ -3,7 +3,7 @@
 Elastic re-formation time: from a host's loss, or a host's arrival, to the group training again (issue 31).
 
     python -m benchmarks elastic [--repeats 5] [--seed 0] [--epochs 4] [--save-every 20] [--out FILE]
-        [--scenarios loss,admission,node0] [--keep DIR]
+        [--scenarios loss,admission,node0,pair] [--keep DIR]
 
 Runs the MNIST-1D MLP (``-m examples.mnist1d.train``, ``configs/mnist1d_mlp.yaml``, ``--epochs`` epochs of 4000
 examples in global batches of 120, which 2 and 3 processes divide; a learning rate of 1e-3, a checkpoint every
@@ -22,6 +22,10 @@ alone and hosts the rendezvous (node 0, process 0: it writes the goodput ledgers
   coordination service) is SIGKILLed: the first coordinator candidate hosts round 1, the other joins it
   (``jddp.cli.launch.candidates``). Measured as ``loss``, the loss noticed by the successor ("node 0's rendezvous is
   gone"); the successor's process 0 continues the run's goodput ledger (node 0's ``JDDP_RUN_START``).
+* ``pair``: two launchers of ``--nnodes 1:2``; once the run is past a drawn step and node 0's standby process for
+  the round it would run alone is ready (compiled, waiting before its restore: ``jddp.cli.launch.elastic``'s
+  ``round_ahead``), the other launcher is SIGKILLed. Measured as ``loss``; ``woken_from_standby`` says that round 1
+  ran on the woken standby process.
 * ``admission``: two launchers; once the run is past a drawn step, the third is started. Measured: from its
   launcher's start to the first step of the round that includes it, and the time the running group lost: from its
   last step of the old round to its first of the new one; the parts: the arrival noticed (node 0's launcher says
@@ -80,23 +84,28 @@ WAITING = "waiting to join: ending round"
 HOSTS = "hosts the rendezvous"
 NODE0_GONE = "node 0's rendezvous is gone"  # the other launchers' line (jddp.cli.launch.member)
 SUCCEEDS = "this launcher is node 0 from round 1 on"  # the successor's (jddp.cli.launch.elastic)
-LOSSES = ("loss", "node0")  # the scenarios that SIGKILL a launcher
+LOSSES = ("loss", "node0", "pair")  # the scenarios that SIGKILL a launcher
+PAIR = "pair"  # two launchers of --nnodes 1:2: node 0's next processes stand by for the round it runs alone
+STANDBY_READY = "standby process(es) of the next attempt ready"  # node 0's line (jddp.cli.launch.spares)
+WOKEN = "woken from standby"
 HISTORY = {
     "reference": "membership history: round 0: 3 node(s), 3 process(es) (the first round)\n",
     "loss": "round 0: 3 node(s), 3 process(es) (the first round); round 1: 2 node(s), 2 process(es) (a node lost)\n",
     "admission": "round 0: 2 node(s), 2 process(es) (the first round); "
     "round 1: 3 node(s), 3 process(es) (admitting a node)\n",
     "node0": "membership history: round 1: 2 node(s), 2 process(es) (node 0 lost)\n",  # the successor's rounds
+    PAIR: "round 0: 2 node(s), 2 process(es) (the first round); round 1: 1 node(s), 1 process(es) (a node lost)\n",
 }
 
 
 class Launcher:
-    """One ``jddp launch --nnodes 2:3`` of the example; its output lines kept with the time each was read."""
+    """One ``jddp launch --nnodes 2:3`` (or ``nnodes``) of the example; its output lines kept with the time each was
+    read."""
 
-    def __init__(self, name: str, port: int, env: dict[str, str], overrides: list[str]) -> None:
+    def __init__(self, name: str, port: int, env: dict[str, str], overrides: list[str], nnodes: str = "2:3") -> None:
         self.name = name
         argv = [
-            sys.executable, "-m", "jddp.launch", "--nnodes", "2:3", "--coordinator", f"127.0.0.1:{port}", "-n", "1",
+            sys.executable, "-m", "jddp.launch", "--nnodes", nnodes, "--coordinator", f"127.0.0.1:{port}", "-n", "1",
             "--devices-per-process", "1", "--join-wait", "3", "-m", "examples.mnist1d.train", *overrides,
         ]  # fmt: skip
         self.started = time.time()
@@ -156,7 +165,8 @@ def one_run(
         env.pop("XLA_FLAGS", None)
         overrides = [*settings, f"log_dir={run_dir}/log", f"checkpoint_dir={run_dir}/ckpt"]
         port = net.free_port()
-        launchers = [Launcher("a", port, env, overrides)]
+        nnodes = "1:2" if scenario == PAIR else "2:3"
+        launchers = [Launcher("a", port, env, overrides, nnodes)]
         event_at = None
         try:
             deadline = time.monotonic() + 120
@@ -164,8 +174,8 @@ def one_run(
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-            for name in "bc" if scenario != "admission" else "b":
-                launchers.append(Launcher(name, port, env, overrides))
+            for name in "b" if scenario in ("admission", PAIR) else "bc":
+                launchers.append(Launcher(name, port, env, overrides, nnodes))
             if scenario != "reference":
                 event_at = await_step_then(scenario, launchers, run_dir, step, victim, port, env, overrides)
             deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -197,7 +207,7 @@ def await_step_then(
 ) -> float | None:
     """Waits until round 0 is past ``step``; then kills launcher ``victim`` (``loss``) or starts the third
     (``admission``). Returns the time it did (None: the run ended first)."""
-    processes = 3 if scenario in LOSSES else 2
+    processes = 3 if scenario in ("loss", "node0") else 2
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while launchers[0].popen.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -210,6 +220,8 @@ def await_step_then(
             ledger = goodput.read(ledgers[0])
         except ValueError:  # being written
             continue
+        if scenario == PAIR and launchers[0].said(STANDBY_READY) is None:
+            continue  # the question: a loss once node 0's standby process is ready
         if ledger["last_step"] >= step and ledger["processes"] == processes:
             if scenario in LOSSES:
                 launchers[victim].popen.send_signal(signal.SIGKILL)
@@ -256,10 +268,13 @@ def check_and_measure(
         return {"losses": losses, "first_step_s": only["first_step_end"] - only["attempt_start"]}
     assert event_at is not None
     old, new = goodput.read(ledgers[0]), goodput.read(ledgers[1])
+    if new["first_step_end"] < event_at:  # no step left for round 1 (``pair``: the standby was ready too late)
+        print(f"  {scenario}: the event came after the run's last step (step {old['last_step']}): raise --epochs")
+        return None
     records = goodput_records(metrics)
     lost = sum(records[0][k] for k in ("recomputed_s", "lost_s", "downtime_s")) if 0 in records else 0.0
     lost += sum(records[1][k] for k in ("startup_s", "restore_s", "compile_s"))
-    noticed = a.said({"loss": LOST, "node0": NODE0_GONE}.get(scenario, WAITING))
+    noticed = a.said({"loss": LOST, PAIR: LOST, "node0": NODE0_GONE}.get(scenario, WAITING))
     if noticed is None:
         print(f"  {scenario}: node 0's launcher never said it noticed:\n{a.tail()}", flush=True)
         return None
@@ -292,6 +307,7 @@ def check_and_measure(
         "event_after_step": old["last_step"],
         "restored_step": new["first_step"],
         "restored_from": goodput.RESTORED_FROM[int(new["restored_from"])],
+        "woken_from_standby": a.said(WOKEN) is not None,
         "losses": losses,
         "goodput": {
             which: {k: records[i][k] for k in (*goodput.PARTS, "round", "nodes", "processes")}
@@ -325,7 +341,8 @@ def summary(results: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, flo
     return out
 
 
-QUICK: dict[str, Any] = {"repeats": 1, "epochs": 1, "save_every": 5, "scenarios": "loss"}  # --quick: a tiny size
+# --quick: a small size; 3 epochs (99 steps) so that node 0's standby process of ``pair`` is ready before the end
+QUICK: dict[str, Any] = {"repeats": 1, "epochs": 3, "save_every": 5, "scenarios": "loss"}
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -334,7 +351,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="draws the step of each event and the killed launcher")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--save-every", type=int, default=20, help="steps between checkpoints")
-    parser.add_argument("--scenarios", default="loss,admission,node0", help="comma-separated: loss, admission, node0")
+    parser.add_argument(
+        "--scenarios", default="loss,admission,node0,pair", help="comma-separated: loss, admission, node0, pair"
+    )
     parser.add_argument("--keep", help="keep each run's files (logs, checkpoints, launchers' output) in this folder")
     parser.add_argument("--out", default=str(OUT), help="the JSON of every sample")
     return parser
@@ -356,9 +375,10 @@ def bench(args: argparse.Namespace) -> Any:
         "log_every=5", f"save_every={args.save_every}", "progress=false",
     ]  # fmt: skip
     scenarios = [s.strip() for s in args.scenarios.split(",")]
-    if not scenarios or any(s not in ("loss", "admission", "node0") for s in scenarios):
+    if not scenarios or any(s not in HISTORY or s == "reference" for s in scenarios):
         get_args_parser().error(
-            f"--scenarios must name loss, admission and/or node0, comma-separated; got --scenarios={args.scenarios}"
+            f"--scenarios must name loss, admission, node0 and/or {PAIR}, comma-separated; got "
+            f"--scenarios={args.scenarios}"
         )
     keep = None if args.keep is None else Path(args.keep)
     if keep is not None and keep.exists() and any(keep.iterdir()):
@@ -382,6 +402,7 @@ def bench(args: argparse.Namespace) -> Any:
         for i in range(args.repeats):
             draws = {"loss": (rng.randint(first, last), rng.randint(1, 2)), "admission": (rng.randint(first, last), 0)}
             draws["node0"] = (rng.randint(first, last), 0)  # drawn after the others: their draws stay as they were
+            draws[PAIR] = (rng.randint(first, last), 1)
             for scenario in sorted(scenarios, reverse=i % 2 == 1):  # admission first, then alternately
                 step, victim = draws[scenario]
                 r = one_run(scenario, cache_dir, step, victim, settings, folder(f"{scenario}-{i}"))
