@@ -574,7 +574,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a read-only Checkpointer renames a damaged step like a writer (under the trainer's feet)",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer._restore_from_disk",
+                "jddp.checkpoint.restoring:Restoring._restore_from_disk",
                 ("if not self.read_only:\n            restore.set_aside", "if True:\n            restore.set_aside"),
             ),
         ),
@@ -587,7 +587,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "after a failed write the step stays recorded as the last saved, so saving it again is skipped",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer._write_errors",
+                "jddp.checkpoint.lifecycle:Lifecycle._write_errors",
                 ("self._unconfirmed, self._last_saved = [], None", "self._unconfirmed = []"),
             ),
         ),
@@ -676,7 +676,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "save blocks until Orbax has written the step (a synchronous save)",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer.save",
+                "jddp.checkpoint.saving:Saving.save",
                 (
                     "    if wait:\n        self.wait()\n    return step\n",
                     "    self.wait()\n    return step\n",
@@ -692,7 +692,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "maybe_save counts steps from the state it is given, so a process that saw another step saves at others",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer.maybe_save",
+                "jddp.checkpoint.saving:Saving.maybe_save",
                 ("self._step += 1", "self._step = int(jax.device_get(state.step))"),
             ),
         ),
@@ -966,7 +966,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             f"{SBS}::test_two_open_checkpointers_wait_at_barriers_of_different_names",
-            f"{SBS}::test_two_checkpointers_save_every_step_for_200_steps_in_two_processes",
+            f"{SBS}::test_two_checkpointers_save_every_step_for_20_steps_in_two_processes",
         ),
     ),
     Mutant(
@@ -976,7 +976,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a step the directory holds from another run is skipped without a word, whatever on_existing says",
         (
             _p(
-                "jddp.checkpoint.checkpointer:Checkpointer._may_write",
+                "jddp.checkpoint.saving:Saving._may_write",
                 ("    others = sorted(", "    return False\n    others = sorted("),
             ),
         ),
