@@ -135,6 +135,7 @@ def test_a_record_has_the_one_schema_and_quick_sizes(monkeypatch, tmp_path, caps
     assert record["benchmark"] == "fake" and record["busy"] is False
     assert record["results"]["steps"] == 2  # --quick's size
     assert record["machine"]["cores"] == 2 and "python" in record["machine"]["versions"]
+    assert record["load"]["cores"] == record["machine"]["cores"]  # the load is read against the cores
     fake_benchmark(monkeypatch, 0.5)(["--quick", "--steps", "7", "--json", str(out)])
     assert json.loads(out.read_text())["results"]["steps"] == 7  # a flag given wins over --quick
 

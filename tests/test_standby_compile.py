@@ -226,8 +226,7 @@ def test_a_script_s_own_step_compiles_before_it_stands_by_for_the_restore_s_stat
         loader = jddp.data.DataLoader(data(64, 0), global_batch_size=16, seed=0, mesh=m)
         ckpt = jddp.Checkpointer(tmp_path / "ckpt")
         state = own_state()
-        standby.restoring(state, loader)  # what restore_or_init says before it waits
-        state, loader = ckpt.restore_or_init(state, loader)
+        state, loader = ckpt.restore_or_init(state, loader)  # names the state and the loader to standby
         assert launcher.stood_by_after is not None and launcher.stood_by_after > 0
         assert int(state["step"]) == 1
         after_wake = len(compiles)

@@ -64,8 +64,7 @@ DEFAULT=(
 )
 STEP=('jddp.engine.step.*' 'jddp.engine.varying.x_split_varying__mutmut_*'
   'jddp.engine.parallel.xǁDataParallelǁstep__mutmut_*')
-C=jddp.checkpoint.checkpointer.xǁCheckpointerǁ
-RESTORE=("${C}restore_or_init__mutmut_*" "jddp.checkpoint.restore.*")
+RESTORE=("jddp.checkpoint.restoring.xǁRestoringǁrestore_or_init__mutmut_*" "jddp.checkpoint.restore.*")
 
 PATTERNS=()
 EXTRA=()

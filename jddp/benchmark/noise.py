@@ -1,11 +1,10 @@
 """How far ``jddp bench``'s figures can be trusted: the machine's load, each figure's spread, and noise flags.
 
-**Load.** Two records, both in the report's JSON. The load average (``LoadSampler``: the 1-minute load at the
-start, every ``SAMPLE_EVERY_S`` and at the end, as ``benchmarks/harness.py`` samples it; jddp does not import
-``benchmarks/``, so the few lines are copied here) counts the benchmark's own processes too: on a machine with
-few cores a configuration of 8 simulated devices alone lifts it past the core count. So each configuration also
-gets ``others_cores`` (``OtherLoad``, Linux): the CPU time every other process on the machine used while it ran,
-in cores, from ``/proc/stat``'s busy time less this process's and its waited-for children's
+**Load.** Two records, both in the report's JSON. The load average (``LoadSampler``: the 1-minute load at the start,
+every ``SAMPLE_EVERY_S`` and at the end; ``benchmarks/harness.py`` samples with this one) counts the benchmark's own
+processes too: on a machine with few cores a configuration of 8 simulated devices alone lifts it past the core count. So
+each configuration also gets ``others_cores`` (``OtherLoad``, Linux): the CPU time every other process on the machine
+used while it ran, in cores, from ``/proc/stat``'s busy time less this process's and its waited-for children's
 (``resource.getrusage``), over the wall time.
 
 **Spread.** Every timed program gives one time per timed run (``--rounds`` x ``--repeats``); each figure of a row
@@ -33,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-SAMPLE_EVERY_S = 5.0  # as benchmarks/harness.py
+SAMPLE_EVERY_S = 5.0  # benchmarks/harness.py's records use it too
 # A figure whose jddp step times' interquartile range is wider than this share of their median is flagged: at
 # 25% the ranges of two rows that differ by a few tens of percent overlap, and no ratio between them holds.
 WIDE_SPREAD = 0.25
@@ -48,8 +47,8 @@ def loadavg() -> list[float]:
 
 
 class LoadSampler:
-    """The 1-minute load average every ``every_s`` seconds in a daemon thread between ``start`` and ``stop``
-    (benchmarks/harness.py's, copied: jddp does not import ``benchmarks``)."""
+    """The 1-minute load average every ``every_s`` seconds in a daemon thread between ``start`` and ``stop`` (also
+    the sampler of ``benchmarks/harness.py``'s records)."""
 
     def __init__(self, every_s: float = SAMPLE_EVERY_S):
         self.every_s = every_s

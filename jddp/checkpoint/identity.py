@@ -123,12 +123,13 @@ def _agreed(run: str | None) -> str | None:
         return run
     from jax.experimental import multihost_utils
 
-    from jddp.runtime import watchdog
+    from jddp.runtime import first_run, watchdog
 
     data = np.zeros(_ID_BYTES + 1, np.uint8)
     if run is not None:
         raw = run.encode()
         data[0], data[1 : 1 + len(raw)] = 1, np.frombuffer(raw, np.uint8)
+    first_run.meet_once(first_run.GLOBAL_DEVICES, "a Checkpointer's run id")  # gloo's window opens with all
     with watchdog.waiting():
         data = np.asarray(multihost_utils.broadcast_one_to_all(data, is_source=jax.process_index() == 0))
     return bytes(data[1:]).rstrip(b"\0").decode() if data[0] else None

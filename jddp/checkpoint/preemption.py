@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from jddp.runtime import dispatch, watchdog
+from jddp.runtime import dispatch, first_run, watchdog
 
 
 def all_agree(flag: bool) -> bool:
@@ -18,6 +18,7 @@ def all_agree(flag: bool) -> bool:
         return flag
     from jax.experimental import multihost_utils
 
+    first_run.meet_once(first_run.GLOBAL_DEVICES, "a Checkpointer's agreement")  # gloo's window opens with all
     with watchdog.waiting():
         flags = np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32)))
     return bool(flags.min())

@@ -1,16 +1,16 @@
 """Standby processes: the next attempt's group, started and ready before the failure that needs it.
 
-Under ``jddp launch --max-restarts N`` on one node, the launcher keeps up to ``--standby-depth`` (default 2) of
-the next attempts standing by, a *generation* each: once an attempt is past its first step (at once when it was
-itself woken from standby and the next attempt has none yet), it starts the next attempt's coordination service
-and one spare per local process (``jddp.cli.spare``), and hands each spare its role in that attempt at once, in
-*standby* (the role's ``JDDP_STANDBY_FD`` is the spare's socket to the launcher); the next generation follows once
-this one stands by, nearest first. The script then runs as it would after a restart: ``jddp.initialize`` joins the next attempt's group
-(every standby process of the node joins it), the model, optimizer, data loader and checkpointer are built, and
-``jddp.fit`` compiles its step for the state and a batch of the loader (``DataParallel.compile``; the loader's
-position is put back). Then, at the first thing that depends on the moment of the failure (``wait``: called by
-``jddp.fit`` and ``Checkpointer.restore_or_init`` before they restore), the process tells its launcher it stands by
-(``STANDING_BY``) and blocks.
+Under ``jddp launch --max-restarts N`` on one node, the launcher keeps up to ``--standby-depth`` (default 2) of the next
+attempts standing by, a *generation* each: once an attempt is past its first step (at once when it was itself woken from
+standby and the next attempt has none yet), it starts the next attempt's coordination service and one spare per local
+process (``jddp.cli.spare``), and hands each spare its role in that attempt at once, in *standby* (the role's
+``JDDP_STANDBY_FD`` is the spare's socket to the launcher); the next generation follows once this one stands by, nearest
+first. The script then runs as it would after a restart: ``jddp.initialize`` joins the next attempt's group (every
+standby process of the node joins it), the model, optimizer, data loader and checkpointer are built, and ``jddp.fit``
+compiles its step for the state and a batch of the loader (``DataParallel.compile``; the loader's position is put back).
+Then, at the first thing that depends on the moment of the failure (``wait``: called by ``jddp.fit`` and
+``Checkpointer.restore_or_init`` before they restore), the process tells its launcher it stands by (``STANDING_BY``) and
+blocks.
 
 When the running attempt fails, the launcher stops it and sends each standby process the moment's environment
 (``JDDP_ATTEMPT_START``, ``JDDP_PREVIOUS_END``: one line of JSON); the process takes it and goes on with the
