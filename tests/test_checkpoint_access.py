@@ -42,10 +42,12 @@ def dead_pid() -> int:
     return int(done.stdout)
 
 
-def write_lease(directory: Path, *, host: str, pid: int, age_s: float = 0.0, text: str | None = None) -> Path:
+def write_lease(
+    directory: Path, *, host: str, pid: int, age_s: float = 0.0, text: str | None = None, **more: object
+) -> Path:
     path = directory / lease.FILENAME
     directory.mkdir(parents=True, exist_ok=True)
-    owner = {"id": "other", "host": host, "pid": pid, "started": None, "processes": 1, "taken": time.time()}
+    owner = {"id": "other", "host": host, "pid": pid, "started": None, "processes": 1, "taken": time.time(), **more}
     path.write_text(text if text is not None else json.dumps(owner))
     os.utime(path, (time.time() - age_s, time.time() - age_s))
     return path
@@ -104,6 +106,38 @@ def test_a_stale_lease_is_taken_over_and_a_live_one_is_not(tmp_path, owner, take
         assert mine["pid"] == os.getpid() and mine["host"] == socket.gethostname()
     # the stale file is not left aside either; the run's id (jddp.run) is the taker's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["jddp.run"]
+
+
+RUN, ATTEMPT = 1700000000.5, 1700000100.25  # this process's launched run and attempt (jddp launch's variables)
+
+
+@pytest.mark.parametrize("run", [None, RUN - 1, RUN])
+@pytest.mark.parametrize("attempt", [None, ATTEMPT - 50, ATTEMPT, ATTEMPT + 50])
+@pytest.mark.parametrize("mine", [True, False])
+def test_a_lease_of_an_earlier_attempt_of_the_same_run_is_taken_over_at_once(tmp_path, monkeypatch, run, attempt, mine):
+    """A live-looking lease (another host, fresh heartbeat: a lost node 0's process 0) is taken over at once only
+    when it was this launched run's, of an earlier attempt or elastic round; any other is refused as before. Generated
+    over the owner's run and attempt against this process's (and a process outside jddp launch, which has neither)."""
+    if mine:
+        monkeypatch.setenv("JDDP_RUN_START", str(RUN))
+        monkeypatch.setenv("JDDP_ATTEMPT_START", str(ATTEMPT))
+    else:
+        monkeypatch.delenv("JDDP_RUN_START", raising=False)
+        monkeypatch.delenv("JDDP_ATTEMPT_START", raising=False)
+    write_lease(tmp_path, host="elsewhere", pid=1, age_s=1, run=run, attempt=attempt)
+    held = lease.Lease(tmp_path, timeout_s=60)
+    owner, age = held.read()
+    assert owner is not None
+    expected = mine and run == RUN and attempt is not None and attempt < ATTEMPT
+    reason = held.stale_reason(owner, age)
+    assert (reason is not None) == expected, (reason, run, attempt, mine)
+    if expected:
+        held.acquire()
+        assert json.loads((tmp_path / lease.FILENAME).read_text())["attempt"] == ATTEMPT
+        held.release()
+    else:
+        with pytest.raises(jddp.CheckpointLeaseError, match="is being written by another run"):
+            held.acquire()
 
 
 def test_a_writer_whose_lease_was_taken_over_saves_nothing_more(tmp_path):

@@ -16,7 +16,10 @@ writer that lost its lease never overwrites the new owner's content.
 A lease is stale, and is taken over, when its owner is a process of this host
 that no longer runs (pid gone, or reused by a process started at another
 time), or when its heartbeat is older than ``timeout_s`` (an owner on another
-host that died, or froze for that long). Take-over renames the stale file
+host that died, or froze for that long), or when its owner was a process of an earlier attempt or elastic round of
+the same launched run (the same ``JDDP_RUN_START``, an earlier ``JDDP_ATTEMPT_START``: the launchers ended that
+attempt before starting this one, or its host was lost; without this, a lost node 0's lease would refuse its
+successor's process 0 for ``timeout_s``). Take-over renames the stale file
 aside (``rename`` is atomic: of two writers taking over at once, one renames
 and the other finds no file) and creates a new one with ``O_EXCL``. A writer
 whose lease was taken over (it froze past the timeout) finds out at its next
@@ -37,6 +40,7 @@ import time
 import uuid
 from pathlib import Path
 
+from jddp import envvars
 from jddp.checkpoint.errors import CheckpointLeaseError
 
 FILENAME = "jddp.lease"
@@ -105,6 +109,10 @@ class Lease:
             "started": _start_time(pid),
             "processes": processes,
             "taken": time.time(),
+            # The launched run and this attempt of it (jddp launch sets both; None elsewhere): an earlier attempt's
+            # lease is taken over at once (``stale_reason``).
+            "run": envvars.get("JDDP_RUN_START"),
+            "attempt": envvars.get("JDDP_ATTEMPT_START"),
         }
         self.lost: str | None = None  # why this lease is no longer ours, once the heartbeat finds out
         self._stop = threading.Event()
@@ -134,6 +142,11 @@ class Lease:
                 return f"its owner, pid {owner['pid']} on this host, no longer runs"
         if age_s is not None and age_s > self.timeout_s:
             return f"its heartbeat is {age_s:.0f} s old (stale after {self.timeout_s:g} s)"
+        run, attempt = self.owner["run"], self.owner["attempt"]
+        theirs = owner.get("attempt") if owner else None
+        if run is not None and attempt is not None and owner.get("run") == run and isinstance(theirs, int | float):
+            if theirs < attempt:
+                return "its owner belongs to an earlier attempt or round of this run, which the launcher ended"
         return None
 
     # ---------------------------------------------------------------- taking and giving back
