@@ -122,3 +122,50 @@ def test_the_next_generation_starts_at_once_after_a_wake_unless_the_next_attempt
         assert called == ([1] if expected else [])
     finally:
         launcher.notes.remove()
+
+
+class _Running:
+    """A process (or service) that still runs, as ``Popen.poll`` says."""
+
+    def poll(self):
+        return None
+
+
+class _Preparing:
+    """A standby process that runs and has not stood by."""
+
+    popen = _Running()
+
+    def standing_by(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("prepared_s", [0.0, 29.7, 31.0, 120.0])
+def test_a_failure_waits_for_a_preparing_generation_only_until_30_s_after_its_roles_and_only_once_in_vain(prepared_s):
+    """A generation still preparing is waited for up to ``STANDBY_WAIT_S`` counted from its roles' handing: one that
+    prepared longer stands by nowhere (a script that never reaches ``standby.wait``) and is not waited for; once
+    one was waited for in vain, no later generation of the run is."""
+    import time
+    import types
+
+    p = pool(max_restarts=3)
+    service = types.SimpleNamespace(popen=_Running())
+
+    def generation(prepared: float) -> spares_lib.Generation:
+        g = spares_lib.Generation(1, service, {0: _Preparing(), 1: _Preparing()})  # pyright: ignore[reportArgumentType]
+        g.handed, g.handed_at = True, time.monotonic() - prepared
+        return g
+
+    left = spares_lib.STANDBY_WAIT_S - prepared_s
+    waited = time.monotonic()
+    if left < 1:
+        p.await_standing_by(generation(prepared_s), lambda: False)
+        assert time.monotonic() - waited < max(left, 0) + 10  # what was left of the 30 s, not 30 s more
+        assert p.stands_by_nowhere == (left > 0)  # waited in vain: the run's script stands by nowhere
+    else:  # a fresh generation is waited for; stopped at once here by ``stop``
+        p.await_standing_by(generation(prepared_s), lambda: True)
+        assert not p.stands_by_nowhere
+    if p.stands_by_nowhere:
+        waited = time.monotonic()
+        p.await_standing_by(generation(0.0), lambda: False)  # a fresh one, after a wait in vain: not waited for
+        assert time.monotonic() - waited < 10  # not the 30 s

@@ -70,8 +70,10 @@ class Reservation:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((host, 0))
             port = listener.getsockname()[1]
+            # Without SO_REUSEADDR: a server that binds with SO_REUSEADDR and SO_REUSEPORT (gRPC's, as another job's
+            # coordination service) would share the port while it is held; a socket never listened on leaves no
+            # TIME_WAIT behind, so the service binds it at once once released.
             hold = socket.socket(family, socket.SOCK_STREAM)
-            hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 if port <= 1:
                     raise OSError(errno.EADDRINUSE, "no port below")

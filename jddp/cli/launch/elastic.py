@@ -281,7 +281,7 @@ class Host:
                 }
             )
         for m in waiting:  # not in this round: they learn who succeeds node 0 if it is lost
-            m.send({"op": "candidates", "candidates": order})
+            m.send({"op": "candidates", "candidates": order, "round": number, "run_start": launcher.run_start})
         config = dataclasses.replace(c, nnodes=len(sizes), node_rank=0, process_offset=0, world=sum(sizes))
         launcher.set_round(config, membership_environment(current, before))
         launcher.set_round_ahead(*round_ahead(c, current))
@@ -315,8 +315,9 @@ class Host:
         if any(m.key not in self.told for m in waiting):  # joined while the round runs: every launcher learns the
             self.told |= {m.key for m in waiting}  # longer order of candidates, should node 0 be lost before the next
             order = [n.candidate for n in self.members + waiting if n.candidate is not None]
+            number = self.history[-1].number if self.history else -1
             for m in self.members + waiting:
-                m.send({"op": "candidates", "candidates": order})
+                m.send({"op": "candidates", "candidates": order, "round": number, "run_start": launcher.run_start})
         if waiting and not self.admitting and len(self.members) + 1 < c.max_nodes:
             started = launcher.first_step_taken()
             if started or time.monotonic() - self.round_start > ADMIT_AFTER_S:

@@ -49,6 +49,7 @@ class Guest:
         self.gone_why = ""  # why node 0 was found gone, for the summaries
         self.order: list[str] = []  # the coordinator candidates, as node 0 sent them last
         self.last_round = -1
+        self.known_round = -1  # the newest round node 0 said it ran (a launcher waiting to be admitted ran none)
         self.node0 = f"{self.base.coordinator} port + 1"  # the rendezvous this launcher is a member of
 
     def run(self) -> int:
@@ -104,9 +105,16 @@ class Guest:
                 self.reservation.close()
 
     def take_candidates(self, message: dict) -> None:
+        """The coordinator candidates node 0 sent, and with them its round and run start: a successor that never
+        ran a round numbers the next one after node 0's and goes on with node 0's run (its goodput ledger)."""
         order = message.get("candidates")
         if isinstance(order, list) and all(isinstance(a, str) for a in order):
             self.order = order
+        number, run_start = message.get("round"), message.get("run_start")
+        if isinstance(number, int) and not isinstance(number, bool) and number > self.known_round:
+            self.known_round = number
+        if isinstance(run_start, float):
+            self.launcher.run_start = run_start
 
     def next_round(self) -> dict | int | None:
         """Node 0's next ``round`` message, None when node 0 is gone, or the exit code when the run ends (``end``,
@@ -137,26 +145,27 @@ class Guest:
                 return message
 
     def hook(self) -> tuple[str, workers.Worker | None] | None:
-        """Called by the launcher's watch: node 0 said ``stop`` or ``end``, or is gone."""
+        """Called by the launcher's watch: node 0 said ``stop`` or ``end``, or is gone. What node 0 said is read
+        before its connection's end is judged: node 0 ends a run by saying ``end`` and closing, and that close must
+        not be taken for its loss (the member would succeed it and go on with a run node 0 ended)."""
         launcher = self.launcher
+        while (message := self.client.next_message(0)) is not None:
+            if message.get("op") == "end":
+                code = message.get("code")
+                code = code if isinstance(code, int) and not isinstance(code, bool) else 1
+                self.ended = (code, str(message.get("why")))
+                launcher.stop_all(self.base.kill_grace)
+                return "lost", None
+            if message.get("op") == "candidates":
+                self.take_candidates(message)
+            if message.get("op") == "stop" and message.get("round") == launcher.attempt:  # not a late one
+                self.say("node 0 ended the round: stopping this node's processes")
+                launcher.stop_for_restart()
+                return "lost", None
         gone = self.client.gone()
         if gone is not None:
             self.host_gone = self.gone_why = gone
             self.say(f"node 0's rendezvous is gone ({gone}): stopping this node's processes, as for a lost node")
-            launcher.stop_for_restart()
-            return "lost", None
-        message = self.client.next_message(0)
-        if message is None:
-            return None
-        if message.get("op") == "end":
-            code = message.get("code")
-            self.ended = (code if isinstance(code, int) and not isinstance(code, bool) else 1, str(message.get("why")))
-            launcher.stop_all(self.base.kill_grace)
-            return "lost", None
-        if message.get("op") == "candidates":
-            self.take_candidates(message)
-        if message.get("op") == "stop" and message.get("round") == launcher.attempt:  # not a late one of a round before
-            self.say("node 0 ended the round: stopping this node's processes")
             launcher.stop_for_restart()
             return "lost", None
         return None
@@ -170,6 +179,11 @@ class Guest:
         while (message := self.client.next_message(0)) is not None:  # node 0's last lines, read before its end
             if message.get("op") == "candidates":
                 self.take_candidates(message)
+            if message.get("op") == "end":  # node 0 ended the run before it closed: not a loss to succeed
+                code = message.get("code")
+                code = code if isinstance(code, int) and not isinstance(code, bool) else 1
+                self.say(f"node 0 ended the run: {message.get('why', '')} (exit {code})")
+                return code
         mine = self.reservation.rendezvous if self.reservation is not None else None
         if not self.order or mine is None:
             return self.cannot_go_on("no coordinator candidate is known here" if mine else "this launcher has none")
@@ -199,7 +213,8 @@ class Guest:
             self.client.close()
             awaiting = self.order[self.order.index(mine) + 1 :]
             base = dataclasses.replace(c, coordinator=self.reservation.coordinator)
-            return self.host(server, base, self.last_round + 1, awaiting, f"node 0 ({self.node0}): {self.gone_why}")
+            first_round = max(self.last_round, self.known_round) + 1
+            return self.host(server, base, first_round, awaiting, f"node 0 ({self.node0}): {self.gone_why}")
         return self.cannot_go_on("no coordinator candidate answered")
 
     def after(self) -> str:

@@ -289,8 +289,13 @@ class Client:
         while True:
             try:
                 self.connection = socket.create_connection(address, timeout=reports.SEND_TIMEOUT_S)
+                # A loaded rendezvous may answer late: its answer is awaited until the join's deadline, and no answer
+                # is no refusal (only an explicit one is: a slow successor of node 0 must not be passed over).
+                self.connection.settimeout(max(reports.SEND_TIMEOUT_S, deadline - time.monotonic()))
                 incoming = reports.answer(self.connection, join, token)
                 reply = next(incoming, None)
+                if reply is None:
+                    raise OSError(errno.ETIMEDOUT, "the rendezvous accepted the connection but did not answer the join")
                 break
             except OSError as e:
                 with contextlib.suppress(AttributeError, OSError):

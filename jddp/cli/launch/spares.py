@@ -71,6 +71,7 @@ class Generation:
     handed: bool = False  # its spares were handed their standby roles in ``attempt``
     said: bool = False  # the launcher said that it stands by, or that one of it ended before
     round: config_lib.LaunchConfig | None = None  # an elastic round known ahead, whose roles it was handed (``ahead``)
+    handed_at: float | None = None  # time.monotonic() when its roles were handed
 
     def standing_by(self, nprocs: int) -> bool:
         """Whether every local process of ``attempt`` stands by, and its service still runs."""
@@ -105,6 +106,7 @@ class SparePool:
         self.output = out
         self.snapshot_dir = snapshot_dir
         self.role_environment = role_environment
+        self.stands_by_nowhere = False  # a generation was waited for in vain: the script stands by nowhere
         self.services = services if services is not None else service.ServiceManager(config)
         self.generations: list[Generation] = []
         self.renice: dict[int, int] = {}  # pid -> the autogroup nice value still to write (the rate limit)
@@ -249,6 +251,7 @@ class SparePool:
         if not next_service.ready.is_set() or len(generation.spares) != self.config.nprocs:
             return
         generation.handed = True
+        generation.handed_at = time.monotonic()
         c, ahead = self.config, self.ahead
         if ahead is not None:  # an elastic round known ahead: its processes, its membership
             c, generation.round = ahead[0], ahead[0]
@@ -263,20 +266,28 @@ class SparePool:
         """At its attempt's start: a generation handed its standby roles whose processes all still run but not all
         stand by yet (still joining, building or compiling) is waited for, up to ``STANDBY_WAIT_S`` (or until
         ``stop()``): what they have left is less than what processes started anew would do (Python's start, the
-        imports, the joining, the compilation), and the failed group's CPUs are theirs now."""
+        imports, the joining, the compilation), and the failed group's CPUs are theirs now. The bound counts from
+        the roles' handing, not from the failure: a generation that has prepared for that long stands by nowhere (a
+        script that never reaches ``standby.wait``: no ``fit``, ``Checkpointer.restore_or_init`` or jddp step), and
+        once one was waited for in vain no later generation of the run is (``stands_by_nowhere``)."""
         nprocs = self.config.nprocs
         if not generation.handed or generation.standing_by(nprocs) or not self.alive(generation):
+            return
+        left = STANDBY_WAIT_S - (time.monotonic() - (generation.handed_at or time.monotonic()))
+        if self.stands_by_nowhere or left <= 0:
             return
         waiting = sum(not s.standing_by() for s in generation.spares.values())
         self.output.say(
             f"{waiting} standby process(es) of attempt {generation.attempt} still preparing: waiting for them up to "
-            f"{STANDBY_WAIT_S:g} s (less than processes started anew need)"
+            f"{left:.0f} s more (less than processes started anew need)"
         )
-        deadline = time.monotonic() + STANDBY_WAIT_S
+        deadline = time.monotonic() + left
         while time.monotonic() < deadline and not stop() and self.alive(generation):
             if generation.standing_by(nprocs):
                 return
             time.sleep(0.01)
+        if not stop() and self.alive(generation):  # alive, prepared for STANDBY_WAIT_S, and not standing by
+            self.stands_by_nowhere = True
 
     def alive(self, generation: Generation) -> bool:
         """Whether every process of ``generation`` and its service still run."""
