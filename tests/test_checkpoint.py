@@ -855,30 +855,22 @@ def test_two_processes_sigterm_save_the_agreed_step_and_resume_bitwise_equal(tmp
 
 
 @pytest.mark.multiprocess
-def test_a_launcher_killed_mid_run_leaves_a_saved_step_and_no_temporary_folder(tmp_path):
-    """``jddp launch`` SIGKILLed after step 8 (its workers' output then leads nowhere, and its coordination service
-    stops 10 s later): within a watchdog round each process sees its launcher gone, removes the launcher's
-    temporary folder, and takes the preemption path: both save one agreed step and exit 75, before the service
-    stops (JAX would abort them from C++, SIGABRT, with nothing saved)."""
+def test_a_launcher_killed_mid_run_ends_its_processes_and_leaves_no_temporary_folder(tmp_path):
+    """``jddp launch`` SIGKILLed after step 8: its orphan watcher (``jddp.cli.launch.orphans``) ends every process it
+    started within a second (they do not run on unwatched: before, they took the preemption path and saved one more
+    step) and removes the launcher's temporary folder, which nobody else can then (an unfinished write stays Orbax's
+    ``.orbax-checkpoint-tmp``, which the next run's manager cleans up)."""
     env = {"KILL_LAUNCHER_AT": "8", "PREEMPTION_CHECK_S": "0"}
+    done = launch_worker(tmp_path, steps=30, env=env)
     killed_at = time.monotonic()
-    done = launch_worker(tmp_path, steps=30, env=env)  # steps after 8 for the watchdog's round that sees it
     assert done.returncode == -signal.SIGKILL, f"{done.stdout}\n{done.stderr}"
-    exits = [tmp_path / f"exit-{p}" for p in (0, 1)]
-    while not all(e.exists() for e in exits) and time.monotonic() - killed_at < 120:
-        time.sleep(0.2)
-    said = [e.read_text().split() for e in exits]
-    assert said[0] == said[1] and said[0][1] == str(exitcodes.EXIT_PREEMPTED), said  # one agreed step, exit 75
-    step = int(said[0][0])
-    assert step >= 8
-    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
-    assert saved[-1] == step, saved
     folders = {Path((tmp_path / f"launch-folder-{p}").read_text()) for p in (0, 1)}
     assert len(folders) == 1 and next(iter(folders)).name.startswith("jddp-launch-")
-    deadline = time.monotonic() + 30
-    while any(f.exists() for f in folders) and time.monotonic() < deadline:
+    while any(f.exists() for f in folders) and time.monotonic() - killed_at < 60:
         time.sleep(0.2)
     assert not any(f.exists() for f in folders), folders
+    time.sleep(5)  # a process that ran on would reach its exit (or its preemption save) by now
+    assert not [p for p in (0, 1) if (tmp_path / f"exit-{p}").exists()], "a process ran on after its launcher died"
 
 
 def run_worker(out: Path, steps: int, devices: int) -> subprocess.CompletedProcess:

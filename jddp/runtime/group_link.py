@@ -21,7 +21,11 @@ removes the launcher's ``jddp-launch-*`` folder (which only the launcher
 reads) and points its output at ``/dev/null`` (the pipes lead nowhere now);
 then, with a ``Checkpointer`` open, it takes the preemption path (every
 process saves the agreed step and exits 75), else it exits 69 naming the
-launcher.
+launcher. Under a launcher of this version this is the fallback: its orphan
+watcher (``jddp.cli.launch.orphans``) ends the processes within a second of
+the launcher's death and removes the folder itself, so the preemption save
+is reached only where the watcher is gone too (killed with its launcher's
+whole process tree but not the workers).
 """
 
 from __future__ import annotations

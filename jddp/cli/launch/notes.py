@@ -12,6 +12,8 @@ import shutil
 import struct
 import tempfile
 
+from jddp.cli.launch import orphans
+
 NOTE_GLOB = re.compile(r"note-(\d+)\.json")  # jddp.runtime.group_link.NOTE_FILE: what a process tells its launcher
 
 
@@ -20,6 +22,7 @@ class NoteDir:
 
     def __init__(self) -> None:
         self.path = tempfile.mkdtemp(prefix="jddp-launch-")  # JDDP_LEDGER_NOTE: where fit's ledger is
+        orphans.remove_at_death(self.path)  # its processes, ended at the launcher's death, cannot remove it
         self.ledger = os.path.join(self.path, "ledger")  # the note naming the ledger (JDDP_LEDGER_NOTE)
 
     def read(self) -> dict[int, dict]:

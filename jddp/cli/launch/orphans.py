@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,7 @@ class _Watch:
         self.lock = threading.Lock()
         self.write_fd: int | None = None
         self.watcher: subprocess.Popen[bytes] | None = None
+        self.folders: list[str] = []  # the launcher's temporary folders, removed by the watcher at its death
 
     def start(self) -> None:
         read_fd, write_fd = os.pipe()  # neither end inherited by what the launcher starts later (PEP 446)
@@ -65,6 +67,8 @@ class _Watch:
         finally:
             os.close(read_fd)
         self.write_fd = write_fd
+        for folder in self.folders:
+            os.write(write_fd, f"d{folder}\n".encode())
 
     def add(self, pid: int) -> None:
         with self.lock:
@@ -75,6 +79,16 @@ class _Watch:
 
 
 _WATCH = _Watch()
+
+
+def remove_at_death(folder: str) -> None:
+    """Removes the launcher's temporary ``folder`` (a ``jddp-launch-*`` one) after its processes were ended at the
+    launcher's death (their notes and snapshots: nobody else removes it then). Starts no process: told to the
+    watcher when the first ``watch`` starts it."""
+    with _WATCH.lock:
+        _WATCH.folders.append(folder)
+        if _WATCH.write_fd is not None:
+            os.write(_WATCH.write_fd, f"d{folder}\n".encode())
 
 
 def watch(pid: int) -> None:
@@ -133,6 +147,7 @@ def _end_all(sessions: dict[int, int | None], grace_s: float) -> None:
 def serve(read_fd: int, grace_s: float = GRACE_S) -> None:
     """The watcher's loop: registers ``+PID`` lines from ``read_fd`` until end-of-file, then ends every session."""
     sessions: dict[int, int | None] = {}  # session leader's pid -> its pidfd (None where pidfds are missing)
+    folders: list[str] = []  # the launcher's temporary folders, removed once its sessions ended
     pending = b""
     last_sweep = time.monotonic()
     while True:
@@ -143,6 +158,11 @@ def serve(read_fd: int, grace_s: float = GRACE_S) -> None:
                 break
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
+                if line.startswith(b"d") and os.path.basename(line[1:].decode(errors="replace")).startswith(
+                    "jddp-launch-"
+                ):
+                    folders.append(line[1:].decode(errors="replace"))
+                    continue
                 if line.startswith(b"+") and line[1:].isdigit():
                     pid = int(line[1:])
                     try:
@@ -155,6 +175,8 @@ def serve(read_fd: int, grace_s: float = GRACE_S) -> None:
             _sweep(sessions)
             last_sweep = time.monotonic()
     _end_all(sessions, grace_s)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
