@@ -114,6 +114,36 @@ def launch(*argv: str, timeout: float = 180, env: dict[str, str] | None = None) 
     )
 
 
+def wait_read(launcher: subprocess.Popen, readers: list, timeout: float) -> None:
+    """Waits for ``launcher`` (killed at ``timeout`` or on an error), then for the threads that read its pipes, and
+    closes the pipes."""
+    for reader in readers:
+        reader.start()
+    try:
+        launcher.wait(timeout=timeout)
+    finally:
+        launcher.kill()
+        for reader in readers:
+            reader.join(10)
+        for pipe in (launcher.stdout, launcher.stderr):
+            assert pipe is not None
+            pipe.close()
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid``'s children, theirs, and so on (``/proc/<pid>/task/*/children``)."""
+    found, todo = set(), [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo += list(children - found)
+            found |= children
+    return found
+
+
 def ipv6_loopback() -> bool:
     """Whether this machine can listen on ``::1``."""
     try:

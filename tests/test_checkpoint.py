@@ -789,17 +789,7 @@ def test_a_restart_woken_from_standby_resumes_bitwise_equal(tmp_path, two_proces
         threading.Thread(target=read, args=(pipe, lines), daemon=True)
         for pipe, lines in ((launcher.stderr, said), (launcher.stdout, printed))
     ]
-    for reader in readers:
-        reader.start()
-    try:
-        launcher.wait(timeout=240)
-    finally:
-        launcher.kill()
-        for reader in readers:
-            reader.join(10)
-        for pipe in (launcher.stdout, launcher.stderr):
-            assert pipe is not None
-            pipe.close()
+    multiprocess.wait_read(launcher, readers, 240)
     out = "".join(printed)
     shown = out + "".join(said)
     assert launcher.returncode == 0, shown

@@ -60,17 +60,7 @@ class Launcher:
 
     def descendants(self) -> set[int]:
         """Its processes' pids, and theirs (Linux's /proc children lists)."""
-        found, todo = set(), [self.popen.pid]
-        while todo:
-            pid = todo.pop()
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    children = {int(c) for c in (task / "children").read_text().split()}
-                except OSError:
-                    continue
-                todo += list(children - found)
-                found |= children
-        return found
+        return multiprocess.descendants(self.popen.pid)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -219,53 +209,69 @@ def test_below_min_the_run_ends_named_within_the_peer_timeout(tmp_path):
     assert took < PEER_TIMEOUT + 10, took
 
 
+class UntilDone:
+    """Launchers a, b, c of one elastic run on loopback (``nnodes`` MIN:MAX) of a script that joins, prints
+    ``joined`` and waits for ``done``; each launcher's output in ``launcher-<name>.txt``."""
+
+    def __init__(self, tmp_path, nnodes: str) -> None:
+        self.done = tmp_path / "done"
+        script = tmp_path / "until_done.py"
+        script.write_text(
+            "import os, time\nimport jddp\njddp.initialize()\nprint('joined', flush=True)\n"
+            f"while not os.path.exists({str(self.done)!r}):\n    time.sleep(0.1)\n"
+        )
+        self.port = net.free_port()
+        self.argv = [
+            sys.executable, "-m", "jddp.launch", "--nnodes", nnodes, "--coordinator", f"127.0.0.1:{self.port}",
+            "-n", "1", "--devices-per-process", "1", "--join-wait", "1", "--peer-timeout", str(PEER_TIMEOUT),
+            str(script),
+        ]  # fmt: skip
+        self.logs = {name: tmp_path / f"launcher-{name}.txt" for name in "abc"}
+        self.launchers: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        with open(self.logs[name], "wb") as f:
+            self.launchers[name] = subprocess.Popen(
+                self.argv, env=multiprocess.environment(), stdout=f, stderr=subprocess.STDOUT, cwd=multiprocess.ROOT
+            )
+
+    def start_node_0(self) -> None:
+        """Starts a and waits until it hosts the rendezvous."""
+        self.start("a")
+        deadline = time.monotonic() + 60
+        while not net.answers("127.0.0.1", self.port + 1):
+            assert time.monotonic() < deadline and self.launchers["a"].poll() is None, self.logs["a"].read_text()
+            time.sleep(0.1)
+
+    def wait_for(self, what: str, names: str, count: int = 1) -> None:
+        deadline = time.monotonic() + 120
+        while sum(self.logs[n].read_text().count(what) for n in names) < count:
+            assert time.monotonic() < deadline, "\n".join(self.logs[n].read_text() for n in names)
+            time.sleep(0.1)
+
+    def kill_all(self) -> None:
+        for launcher in self.launchers.values():
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(30)
+
+
 def test_a_launcher_waiting_to_be_admitted_when_the_run_finishes_exits_0(tmp_path):
     """Two of ``--nnodes 2:3`` run; a third joins and waits to be admitted; the run finishes first. The third was
     told 69, "node 0's launcher ended", as for a failure (seen in ``benchmarks/elastic.py``, an admission that came
     too late): a job whose run succeeded then fails under a scheduler. It must exit 0, saying the run finished."""
-    done = tmp_path / "done"
-    script = tmp_path / "until_done.py"
-    script.write_text(
-        "import os, time\nimport jddp\njddp.initialize()\nprint('joined', flush=True)\n"
-        f"while not os.path.exists({str(done)!r}):\n    time.sleep(0.1)\n"
-    )
-    port = net.free_port()
-    argv = [
-        sys.executable, "-m", "jddp.launch", "--nnodes", "2:3", "--coordinator", f"127.0.0.1:{port}", "-n", "1",
-        "--devices-per-process", "1", "--join-wait", "1", "--peer-timeout", str(PEER_TIMEOUT), str(script),
-    ]  # fmt: skip
-    logs = {name: tmp_path / f"launcher-{name}.txt" for name in "abc"}
-    launchers: dict[str, subprocess.Popen] = {}
-
-    def start(name: str) -> None:
-        with open(logs[name], "wb") as f:
-            launchers[name] = subprocess.Popen(
-                argv, env=multiprocess.environment(), stdout=f, stderr=subprocess.STDOUT, cwd=multiprocess.ROOT
-            )
-
-    def wait_for(what: str, names: str, count: int = 1) -> None:
-        deadline = time.monotonic() + 120
-        while sum(logs[n].read_text().count(what) for n in names) < count:
-            assert time.monotonic() < deadline, "\n".join(logs[n].read_text() for n in names)
-            time.sleep(0.1)
-
+    run = UntilDone(tmp_path, "2:3")
     try:
-        start("a")
-        deadline = time.monotonic() + 60
-        while not net.answers("127.0.0.1", port + 1):
-            assert time.monotonic() < deadline and launchers["a"].poll() is None, logs["a"].read_text()
-            time.sleep(0.1)
-        start("b")
-        wait_for("joined", "ab", 2)  # round 0 runs, on two
-        start("c")
-        wait_for("waiting for a round", "c")  # c joined the rendezvous: it waits for the next round
-        done.touch()  # the run finishes before any admission (a script without fit is admitted after 10 s)
-        codes = {name: launchers[name].wait(60) for name in "abc"}
+        run.start_node_0()
+        run.start("b")
+        run.wait_for("joined", "ab", 2)  # round 0 runs, on two
+        run.start("c")
+        run.wait_for("waiting for a round", "c")  # c joined the rendezvous: it waits for the next round
+        run.done.touch()  # the run finishes before any admission (a script without fit is admitted after 10 s)
+        codes = {name: run.launchers[name].wait(60) for name in "abc"}
     finally:
-        for launcher in launchers.values():
-            if launcher.poll() is None:
-                launcher.kill()
-    said = {name: logs[name].read_text() for name in "abc"}
+        run.kill_all()
+    said = {name: run.logs[name].read_text() for name in "abc"}
     assert codes == {"a": 0, "b": 0, "c": 0}, said
     assert "node 0 ended the run: the run finished (exit 0)" in said["c"], said["c"]
 
@@ -317,53 +323,21 @@ def test_a_launcher_waiting_at_max_joins_the_successor_of_a_lost_node_0(tmp_path
     """``--nnodes 1:2``: a and b run, c waits (the run is at MAX); node 0 (a) is SIGKILLed. c was sent the candidates
     while it waited, so it finds b, which succeeds node 0, and round 1 runs on b and c; the run finishes there.
     Without the candidates sent to a waiting launcher, c exits 69 knowing none, and round 1 runs on b alone."""
-    done = tmp_path / "done"
-    script = tmp_path / "until_done.py"
-    script.write_text(
-        "import os, time\nimport jddp\njddp.initialize()\nprint('joined', flush=True)\n"
-        f"while not os.path.exists({str(done)!r}):\n    time.sleep(0.1)\n"
-    )
-    port = net.free_port()
-    argv = [
-        sys.executable, "-m", "jddp.launch", "--nnodes", "1:2", "--coordinator", f"127.0.0.1:{port}", "-n", "1",
-        "--devices-per-process", "1", "--join-wait", "1", "--peer-timeout", str(PEER_TIMEOUT), str(script),
-    ]  # fmt: skip
-    logs = {name: tmp_path / f"launcher-{name}.txt" for name in "abc"}
-    launchers: dict[str, subprocess.Popen] = {}
-
-    def start(name: str) -> None:
-        with open(logs[name], "wb") as f:
-            launchers[name] = subprocess.Popen(
-                argv, env=multiprocess.environment(), stdout=f, stderr=subprocess.STDOUT, cwd=multiprocess.ROOT
-            )
-
-    def wait_for(what: str, names: str, count: int = 1) -> None:
-        deadline = time.monotonic() + 120
-        while sum(logs[n].read_text().count(what) for n in names) < count:
-            assert time.monotonic() < deadline, "\n".join(logs[n].read_text() for n in names)
-            time.sleep(0.1)
-
+    run = UntilDone(tmp_path, "1:2")
     try:
-        start("a")
-        deadline = time.monotonic() + 60
-        while not net.answers("127.0.0.1", port + 1):
-            assert time.monotonic() < deadline and launchers["a"].poll() is None, logs["a"].read_text()
-            time.sleep(0.1)
-        start("b")
-        wait_for("joined", "ab", 2)  # round 0 runs on two: MAX
-        start("c")
-        wait_for("its successor is the first to answer of:", "c")  # c waits, and knows the candidates
-        launchers["a"].send_signal(signal.SIGKILL)
-        launchers["a"].wait(10)
-        wait_for("joined", "bc", 3)  # round 1: b's process and c's
-        done.touch()
-        codes = {name: launchers[name].wait(60) for name in "bc"}
+        run.start_node_0()
+        run.start("b")
+        run.wait_for("joined", "ab", 2)  # round 0 runs on two: MAX
+        run.start("c")
+        run.wait_for("its successor is the first to answer of:", "c")  # c waits, and knows the candidates
+        run.launchers["a"].send_signal(signal.SIGKILL)
+        run.launchers["a"].wait(10)
+        run.wait_for("joined", "bc", 3)  # round 1: b's process and c's
+        run.done.touch()
+        codes = {name: run.launchers[name].wait(60) for name in "bc"}
     finally:
-        for launcher in launchers.values():
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.wait(30)
-    said = {name: logs[name].read_text() for name in "bc"}
+        run.kill_all()
+    said = {name: run.logs[name].read_text() for name in "bc"}
     assert codes == {"b": 0, "c": 0}, said
     assert "round 1: 2 node(s), 2 process(es) (node 0 lost)" in said["b"], said["b"]
     assert "joined the rendezvous of the next node 0" in said["c"], said["c"]

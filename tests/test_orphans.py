@@ -27,20 +27,6 @@ pytestmark = pytest.mark.multiprocess
 SLEEPER = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"  # no jddp.initialize: no watchdog ends it
 
 
-def descendants(pid: int) -> set[int]:
-    """``pid``'s children, theirs, and so on (``/proc/<pid>/task/*/children``)."""
-    found, todo = set(), [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = {int(c) for c in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            todo += list(children - found)
-            found |= children
-    return found
-
-
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie waiting for its new parent to reap it does not)."""
     try:
@@ -112,7 +98,7 @@ def test_one_node_launcher_sigkilled_leaves_no_workers_spares_standby_or_service
         wait_for("up", log, launcher, count=2)
         wait_for("spare process(es) ready for a restart", log, launcher)
         time.sleep(1.0)  # the spares are handed their standby roles (a sleeper never stands by: it runs the script)
-        started = descendants(launcher.pid)
+        started = multiprocess.descendants(launcher.pid)
         # 2 workers, 2 spares, 2 services, the watcher at least
         assert len(started) >= 7, describe(started)
         took = kill_and_time(launcher, started, log)
@@ -141,7 +127,7 @@ def test_elastic_node_0_sigkilled_leaves_no_workers_or_service(tmp_path):
             time.sleep(0.1)
         launchers.append(start(argv, logs[1]))
         wait_for("up", logs[0], a)
-        started = descendants(a.pid)
+        started = multiprocess.descendants(a.pid)
         assert len(started) >= 3, describe(started)  # its worker, the service, the watcher
         took = kill_and_time(a, started, logs[0])
         # Node 1, the only candidate left, succeeds node 0 and ends below MIN, naming what was lost.
@@ -152,7 +138,7 @@ def test_elastic_node_0_sigkilled_leaves_no_workers_or_service(tmp_path):
     finally:
         for launcher in launchers:
             if launcher.poll() is None:
-                left = descendants(launcher.pid)
+                left = multiprocess.descendants(launcher.pid)
                 launcher.kill()
                 for p in left:
                     with_suppressed_kill(p)

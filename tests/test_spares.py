@@ -304,17 +304,7 @@ def test_a_second_kill_right_after_a_restart_is_taken_by_the_standby_of_the_atte
         printed.extend(launcher.stdout)
 
     readers = [threading.Thread(target=read_stderr, daemon=True), threading.Thread(target=read_stdout, daemon=True)]
-    for reader in readers:
-        reader.start()
-    try:
-        launcher.wait(timeout=300)
-    finally:
-        launcher.kill()
-        for reader in readers:
-            reader.join(10)
-        for pipe in (launcher.stdout, launcher.stderr):
-            assert pipe is not None
-            pipe.close()
+    multiprocess.wait_read(launcher, readers, 300)
     shown = "".join(printed) + "".join(said)
     assert launcher.returncode == 0, shown
     assert len(WOKEN.findall(shown)) == 2, shown  # both restarts woken from standby

@@ -350,17 +350,7 @@ def launched(out: Path, restarts: int, ready: Path | None, **env: str) -> subpro
 
     readers = [threading.Thread(target=read, args=pair, daemon=True) for pair in
                ((launcher.stderr, said), (launcher.stdout, printed))]  # fmt: skip
-    for reader in readers:
-        reader.start()
-    try:
-        launcher.wait(timeout=300)
-    finally:
-        launcher.kill()
-        for reader in readers:
-            reader.join(10)
-        for pipe in (launcher.stdout, launcher.stderr):
-            assert pipe is not None
-            pipe.close()
+    multiprocess.wait_read(launcher, readers, 300)
     return subprocess.CompletedProcess(argv, launcher.returncode, "".join(printed), "".join(said))
 
 
