@@ -871,6 +871,15 @@ CASES = [
         argparse.ArgumentError,
         r"argument --peer-timeout: must be positive and finite: a number of seconds, got '-5'",
     ),
+    *(
+        Case(
+            f"launch --init-timeout {value}",
+            lambda e, value=value: launch_config("--init-timeout", value, __file__),
+            argparse.ArgumentError,
+            rf"argument --init-timeout: must be .*a number of seconds.*got '{value}'",
+        )
+        for value in ("-5", "0", "inf", "nan", "abc")
+    ),
     Case(
         "launch a missing script", lambda e: launch_config("trian.py"), ValueError, r"script 'trian.py' does not exist"
     ),
