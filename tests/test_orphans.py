@@ -24,7 +24,8 @@ from tests import multiprocess
 
 pytestmark = pytest.mark.multiprocess
 
-SLEEPER = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"  # no jddp.initialize: no watchdog ends it
+UP = "sleeper is up"  # a line no launcher says ("up" alone is in "group", "startup", ...)
+SLEEPER = f"import time\nprint({UP!r}, flush=True)\ntime.sleep(600)\n"  # no jddp.initialize: no watchdog ends it
 
 
 def alive(pid: int) -> bool:
@@ -64,6 +65,17 @@ def wait_for(what: str, log: Path, popen: subprocess.Popen, count: int = 1, time
         time.sleep(0.1)
 
 
+def collect(launcher: subprocess.Popen, at_least: int, log: Path, timeout: float = 30) -> set[int]:
+    """Every process ``launcher`` started, once there are ``at_least`` of them (its service and watcher may start
+    a moment after its first worker says it is up)."""
+    deadline = time.monotonic() + timeout
+    while len(started := multiprocess.descendants(launcher.pid)) < at_least:
+        said = f"{describe(started)}\n{log.read_text()[-3000:]}"
+        assert launcher.poll() is None and time.monotonic() < deadline, said
+        time.sleep(0.1)
+    return started
+
+
 def kill_and_time(launcher: subprocess.Popen, started: set[int], log: Path) -> float:
     """SIGKILLs ``launcher``; returns how long until every process of ``started`` had ended (fails past the bound)."""
     assert started, log.read_text()[-4000:]
@@ -95,12 +107,10 @@ def test_one_node_launcher_sigkilled_leaves_no_workers_spares_standby_or_service
     script.write_text(SLEEPER)
     launcher = start(["-n", "2", "--devices-per-process", "1", "--max-restarts", "1", str(script)], log)
     try:
-        wait_for("up", log, launcher, count=2)
+        wait_for(UP, log, launcher, count=2)
         wait_for("spare process(es) ready for a restart", log, launcher)
         time.sleep(1.0)  # the spares are handed their standby roles (a sleeper never stands by: it runs the script)
-        started = multiprocess.descendants(launcher.pid)
-        # 2 workers, 2 spares, 2 services, the watcher at least
-        assert len(started) >= 7, describe(started)
+        started = collect(launcher, 7, log)  # 2 workers, 2 spares, 2 services, the watcher at least
         took = kill_and_time(launcher, started, log)
     finally:
         if launcher.poll() is None:
@@ -126,9 +136,8 @@ def test_elastic_node_0_sigkilled_leaves_no_workers_or_service(tmp_path):
             assert a.poll() is None and time.monotonic() < deadline, logs[0].read_text()
             time.sleep(0.1)
         launchers.append(start(argv, logs[1]))
-        wait_for("up", logs[0], a)
-        started = multiprocess.descendants(a.pid)
-        assert len(started) >= 3, describe(started)  # its worker, the service, the watcher
+        wait_for(UP, logs[0], a)
+        started = collect(a, 3, logs[0])  # its worker, the service, the watcher
         took = kill_and_time(a, started, logs[0])
         # Node 1, the only candidate left, succeeds node 0 and ends below MIN, naming what was lost.
         assert launchers[1].wait(60) == exitcodes.EXIT_PEER_LOST, logs[1].read_text()[-3000:]
