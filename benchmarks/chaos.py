@@ -164,6 +164,17 @@ class Run:
         return self.launcher.returncode
 
 
+def path_after(said: list[tuple[float, str]], at: float) -> str | None:
+    """How the attempt started after a kill at ``at`` got its processes: ``woken`` (standby), ``handed`` (spares
+    that had imported), ``anew`` (started fresh), or None (no attempt started)."""
+    after = [line for t, line in said if t >= at]
+    starts = [i for i, line in enumerate(after) if STARTED in line]
+    if not starts:
+        return None
+    following = after[starts[0] + 1 : starts[0] + 2]
+    return next((kind for kind in ("woken", "handed") if any(kind in line for line in following)), "anew")
+
+
 def first_step_offset(run_dir: Path, start: float) -> float | None:
     """Seconds from the launcher's start to attempt 0's first step (an uninterrupted run's start-up)."""
     from jddp import goodput
@@ -202,6 +213,7 @@ def one_run(mode: str, plans: list[dict], args, reference_start_s: float | None 
             first = following[0]["first_step_end"] if following else 0
             kind = "later" if kill["offset"] >= SOON_S else "start" if kill["attempt"] == 0 else "restart"
             entry = {**kill, "class": kind, "to_first_step_s": first - kill["at"] if first else None}
+            entry["path"] = path_after(run.said, kill["at"])
             before_first = not killed or not read[killed[0]]["first_step_end"]
             if kill["attempt"] == 0 and before_first and first and reference_start_s:
                 entry["delay_vs_unkilled_s"] = first - run.start - reference_start_s  # start-up cannot be beaten
@@ -286,7 +298,7 @@ def measure(args: argparse.Namespace) -> Any:
                 f"{k['how']}->{k['class']} +{k['offset']:.2f}s: "
                 + (f"{k['to_first_step_s']:.2f} s" if k["to_first_step_s"] is not None else "interrupted")
                 + (f" (vs unkilled start +{k['delay_vs_unkilled_s']:.2f} s)" if "delay_vs_unkilled_s" in k else "")
-                + f", recomputed {k['recomputed']}"
+                + f", {k['path']}, recomputed {k['recomputed']}"
                 for k in r["kills"]
             )
             print(
@@ -307,11 +319,21 @@ def measure(args: argparse.Namespace) -> Any:
             ks = [k for k in t["kills"] if k["class"] == kind]
             values = [k["to_first_step_s"] for k in ks if k["to_first_step_s"] is not None]
             interrupted = sum(k["to_first_step_s"] is None for k in ks)
+            paths = [k.get("path") for k in ks if k["to_first_step_s"] is not None]
             print(f"    {kind}: kill to first step {figures(values)}; interrupted {interrupted}")
+            for path in ("woken", "handed", "anew"):
+                each = [k["to_first_step_s"] for k in ks if k["to_first_step_s"] is not None and k.get("path") == path]
+                if each:
+                    print(f"      next attempt {path}: {figures(each)}")
             delays = [k["delay_vs_unkilled_s"] for k in ks if "delay_vs_unkilled_s" in k]
             if delays:
                 print(f"    {kind}, before attempt 0's first step: first step later than unkilled by {figures(delays)}")
-            by_class[kind] = {"to_first_step_s": values, "interrupted": interrupted, "delay_vs_unkilled_s": delays}
+            by_class[kind] = {
+                "to_first_step_s": values,
+                "paths": paths,
+                "interrupted": interrupted,
+                "delay_vs_unkilled_s": delays,
+            }
         results["modes"][mode] = {
             "classes": by_class,
             "recomputed": recomputed,
