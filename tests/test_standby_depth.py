@@ -96,32 +96,75 @@ def test_a_priority_the_rate_limit_refused_is_written_at_the_next_poll_and_an_im
 
 
 @pytest.mark.parametrize(
-    ("woken", "covered", "first_step", "early"),
-    list(itertools.product((True, False), repeat=4)),
+    ("woken", "covered", "first_step", "early", "prepared"),
+    [c for c in itertools.product((True, False), repeat=5) if c[4] or not c[1]],  # covered: one is prepared
     ids=lambda v: str(v),
 )
 def test_the_next_generation_starts_at_once_after_a_wake_unless_the_next_attempt_stands_by_already(
-    monkeypatch, woken, covered, first_step, early
+    monkeypatch, woken, covered, first_step, early, prepared
 ):
     """``Launcher.prepare_restart``: an attempt woken from standby prepares at once when the next attempt has no
-    standby (a second failure right after the restart needs one); otherwise, as any attempt, once its first step is
-    taken or ``PREPARE_AFTER_S`` passed (its start-up, or the woken group's restore, has the CPUs first)."""
+    standby (a second failure right after the restart needs one); any attempt with no generation behind it at all
+    starts one at once too, its spares lowered (``early``: the attempt's own start-up has the CPUs first, the spares
+    their idle moments); and every attempt prepares at full priority once its first step is taken or
+    ``PREPARE_AFTER_S`` passed, lifting the lowered spares."""
     from jddp.cli.launch import supervisor, workers
 
     launcher = supervisor.Launcher(launch_lib.LaunchConfig(target="train", module=True, nprocs=2, max_restarts=3))
     try:
-        called: list[int] = []
-        monkeypatch.setattr(launcher.spares, "prepare", called.append)
+        called: list[tuple[int, bool]] = []
+        lifted: list[bool] = []
+        monkeypatch.setattr(launcher.spares, "prepare", lambda a, early=False: called.append((a, early)))
+        monkeypatch.setattr(launcher.spares, "lift_early", lambda: lifted.append(True))
         monkeypatch.setattr(launcher.spares, "next_standing_by", lambda: covered)
         monkeypatch.setattr(launcher, "first_step_taken", lambda: first_step)
+        launcher.spares.generations = [object()] if prepared else []  # type: ignore[list-item]
         launcher.attempt, launcher.attempt_start = 1, supervisor.time.time() - (0 if early else 10)
         how = "woken" if woken else "handed"
         launcher.group.workers = [workers.Worker(p, None, from_spare=how) for p in range(2)]  # type: ignore[arg-type]
         launcher.prepare_restart()
-        expected = (woken and not covered) or first_step or not early
-        assert called == ([1] if expected else [])
+        started_up = first_step or not early
+        if started_up or (woken and not covered):
+            assert called == [(1, False)]
+        elif not prepared:
+            assert called == [(1, True)]
+        else:
+            assert called == []
+        assert lifted == ([True] if started_up else [])
     finally:
+        launcher.spares.generations = []
         launcher.notes.remove()
+
+
+def test_early_spares_are_lowered_until_lifted_or_taken(monkeypatch):
+    """``SparePool.start(early=True)``: the spare's autogroup at ``EARLY_NICE``; taken for a role (``restore``) it is
+    back at 0, and ``lift_early`` puts the others at ``--standby-nice`` (0 by default)."""
+    from jddp.cli.launch import workers
+
+    written: list[tuple[int, int]] = []
+    monkeypatch.setattr(spares_lib, "set_autogroup_nice", lambda pid, nice: written.append((pid, nice)) or True)
+    pids = iter(range(500, 600))
+
+    class Popen:
+        def __init__(self) -> None:
+            self.pid = next(pids)
+
+    monkeypatch.setattr(workers, "spawn", lambda *a, **k: (Popen(), [], 3))
+    for standby_nice in (0, 7):
+        written.clear()
+        p = pool(standby_nice=standby_nice)
+        a, b, c = p.start(0, early=True), p.start(1, early=True), p.start(2)
+        assert written == [(a.popen.pid, spares_lib.EARLY_NICE), (b.popen.pid, spares_lib.EARLY_NICE)] + (
+            [(c.popen.pid, standby_nice)] if standby_nice else []
+        )
+        written.clear()
+        p.restore(a)  # handed a role: it trains next
+        assert written == [(a.popen.pid, 0)]
+        p.lift_early()
+        p.lift_early()  # once
+        for spare in (a, b, c):
+            spare.channel.close()
+        assert written == [(a.popen.pid, 0), (b.popen.pid, standby_nice)]
 
 
 class _Running:

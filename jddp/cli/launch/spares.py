@@ -6,7 +6,8 @@ attempt at once to stand by there compiled.
 Generations are prepared one at a time, nearest attempt first: a generation's spares start once every earlier one
 stands by, so the CPU goes to the standby that the next failure needs. While a spare prepares (its imports, its
 joining, its compilation) its autogroup nice value is ``--standby-nice`` (``AUTOGROUP``), and 0 again once it stands
-by or is handed a role."""
+by or is handed a role. A generation started while the attempt it waits behind still starts up (``early``: that
+attempt had nothing behind it) is at ``EARLY_NICE`` until ``lift_early``."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ STANDBY_WAIT_S = 30.0
 # RLIMIT_NICE only below 0), at most one write per 100 ms per host (EAGAIN; CAP_SYS_ADMIN is exempt): checked as
 # uid nobody with RLIMIT_NICE 0 (setpriv), where a nice value and SCHED_IDLE could not be undone (EACCES, EPERM).
 AUTOGROUP = "/proc/{pid}/autogroup"
+EARLY_NICE = 19  # a generation started during its attempt's start-up (``SparePool.lift_early`` ends it)
 
 
 def same_round(ahead: config_lib.LaunchConfig | None, config: config_lib.LaunchConfig) -> bool:
@@ -110,13 +112,14 @@ class SparePool:
         self.services = services if services is not None else service.ServiceManager(config)
         self.generations: list[Generation] = []
         self.renice: dict[int, int] = {}  # pid -> the autogroup nice value still to write (the rate limit)
+        self.early: set[int] = set()  # spares lowered to EARLY_NICE while the attempt they wait behind starts
         # An elastic run's next round where it is known ahead (node 0 of two nodes, MIN 1: the round of this node
         # alone, should the other be lost): its configuration and membership, which a generation stands by for.
         self.ahead: tuple[config_lib.LaunchConfig, str] | None = None
 
-    def start(self, local_rank: int) -> spare_lib.Spare:
+    def start(self, local_rank: int, early: bool = False) -> spare_lib.Spare:
         """Starts the spare of process ``local_rank`` (not kept: see ``prepare``), its autogroup lowered to
-        ``--standby-nice`` while it prepares."""
+        ``--standby-nice`` while it prepares (to ``EARLY_NICE`` when ``early``: until ``lift_early``)."""
         env = environment.base_environment(self.config)
         if self.snapshot_dir.path is not None:
             env[environment.ENV_SNAPSHOT_DIR] = self.snapshot_dir.path
@@ -130,7 +133,10 @@ class SparePool:
             )
         finally:
             theirs.close()
-        if self.config.standby_nice:
+        if early:
+            self.early.add(popen.pid)
+            self.set_nice(popen.pid, EARLY_NICE)
+        elif self.config.standby_nice:
             self.set_nice(popen.pid, self.config.standby_nice)
         return spare_lib.Spare(local_rank, popen, ours, prefix, readers, stdout_fd)
 
@@ -143,8 +149,16 @@ class SparePool:
 
     def restore(self, spare: spare_lib.Spare) -> None:
         """The spare's autogroup back at nice 0 (it stands by, or is given a role: it trains next)."""
-        if self.config.standby_nice:
+        if self.config.standby_nice or spare.popen.pid in self.early:
+            self.early.discard(spare.popen.pid)
             self.set_nice(spare.popen.pid, 0)
+
+    def lift_early(self) -> None:
+        """The spares lowered to ``EARLY_NICE`` back at ``--standby-nice`` (the attempt they waited behind is past
+        its start-up)."""
+        for pid in list(self.early):
+            self.set_nice(pid, self.config.standby_nice)
+        self.early.clear()
 
     def retry_renice(self) -> None:
         for pid, nice in list(self.renice.items()):
@@ -167,7 +181,7 @@ class SparePool:
             return 1
         return max(0, min(depth, c.max_restarts - attempt))
 
-    def prepare(self, attempt: int) -> None:
+    def prepare(self, attempt: int, early: bool = False) -> None:
         """Starts the nearest missing generation while attempt ``attempt`` runs, once every earlier one stands by
         (or, without standby, none is kept): its service (a local run: a fresh free port of loopback) and one spare
         per local process."""
@@ -179,7 +193,7 @@ class SparePool:
         local = c.node_rank == 0 and (c.coordinator is None or self.ahead is not None)
         upcoming = self.generations[-1].attempt + 1 if self.generations else attempt + 1
         next_service = self.services.spawn_local() if local else None
-        spares = {rank: self.start(rank) for rank in range(c.nprocs)} if c.spares else {}
+        spares = {rank: self.start(rank, early) for rank in range(c.nprocs)} if c.spares else {}
         self.generations.append(Generation(upcoming, next_service, spares))
 
     def next_standing_by(self) -> bool:

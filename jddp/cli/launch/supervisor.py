@@ -31,7 +31,8 @@ STARTED = time.time()  # the run's start for the goodput ledger (jddp.goodput): 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # With a restart left: how long after an attempt's start the spares and the next coordination service start when
 # the processes' goodput ledger does not say earlier that they are past their first step (a script without fit). An
-# attempt woken from standby prepares the next generation at once unless the next attempt stands by already.
+# attempt woken from standby prepares the next generation at once unless the next attempt stands by already, and
+# any attempt with no generation behind it starts one at once, lowered (``Launcher.prepare_restart``).
 PREPARE_AFTER_S = 3.0
 
 
@@ -205,18 +206,26 @@ class Launcher:
         """With a restart left: prepares the next attempts' generations (``spares.SparePool.prepare``: their
         coordination services and spares, standing by where possible), so that a restart waits for neither. An
         attempt woken from standby does so at once when the next attempt has no standby yet (its own processes
-        import and compile nothing); any other attempt, and a woken one whose next attempt stands by already, once
-        its processes are past their first step (or ``PREPARE_AFTER_S`` after its start): their start-up, or the
-        woken processes' restore and first step, need the CPUs more."""
+        import and compile nothing). Any other attempt with no generation behind it at all starts one at once too,
+        its spares' autogroups at ``spares.EARLY_NICE``: a failure within its first seconds would otherwise start
+        every process anew (Python, the imports, the compilation: 2.7 to 3.2 s from the kill to the next first
+        step on a 2-core VM, against 1.7 s handed to those spares; ``benchmarks/chaos.py``, 29 Nov 2026), and
+        lowered they take only what the attempt's start-up leaves idle. Every attempt prepares at full priority,
+        and lifts those lowered, once its processes are past their first step (or ``PREPARE_AFTER_S`` after its
+        start): their start-up, or the woken processes' restore and first step, need the CPUs more before."""
         c = self.config
         if not self.restart_follows() or c.transport != "xla":
             return
         woken = any(w.from_spare == "woken" for w in self.group.workers)
         covered = self.spares.next_standing_by()
-        at_once = woken and not covered
-        if not at_once and time.time() - self.attempt_start < PREPARE_AFTER_S and not self.first_step_taken():
-            return
-        self.spares.prepare(self.attempt)
+        early = time.time() - self.attempt_start < PREPARE_AFTER_S and not self.first_step_taken()
+        if not early:
+            self.spares.lift_early()
+            self.spares.prepare(self.attempt)
+        elif woken and not covered:
+            self.spares.prepare(self.attempt)
+        elif not self.spares.generations:
+            self.spares.prepare(self.attempt, early=True)
 
     def silent_named(self) -> None:
         """Acts on the processes' notes of silent peers (``WorkerGroup.stop_silent``); node 0 of several tells the
