@@ -165,14 +165,16 @@ class Run:
 
 
 def path_after(said: list[tuple[float, str]], at: float) -> str | None:
-    """How the attempt started after a kill at ``at`` got its processes: ``woken`` (standby), ``handed`` (spares
-    that had imported), ``anew`` (started fresh), or None (no attempt started)."""
+    """How the attempt started after a kill at ``at`` got its processes: ``woken`` (standby), ``forked`` (spares
+    forked then from the zygote), ``handed`` (spares prepared before), ``anew`` (started fresh), or None (no attempt
+    started)."""
     after = [line for t, line in said if t >= at]
     starts = [i for i, line in enumerate(after) if STARTED in line]
     if not starts:
         return None
     following = after[starts[0] + 1 : starts[0] + 2]
-    return next((kind for kind in ("woken", "handed") if any(kind in line for line in following)), "anew")
+    kinds = ("woken", "forked", "handed")
+    return next((kind for kind in kinds if any(kind in line for line in following)), "anew")
 
 
 def first_step_offset(run_dir: Path, start: float) -> float | None:
@@ -321,7 +323,7 @@ def measure(args: argparse.Namespace) -> Any:
             interrupted = sum(k["to_first_step_s"] is None for k in ks)
             paths = [k.get("path") for k in ks if k["to_first_step_s"] is not None]
             print(f"    {kind}: kill to first step {figures(values)}; interrupted {interrupted}")
-            for path in ("woken", "handed", "anew"):
+            for path in ("woken", "forked", "handed", "anew"):
                 each = [k["to_first_step_s"] for k in ks if k["to_first_step_s"] is not None and k.get("path") == path]
                 if each:
                     print(f"      next attempt {path}: {figures(each)}")

@@ -139,6 +139,8 @@ ELSEWHERE = {
     "jddp.cli.launch.service:ServiceManager.end": "a standby generation's service ended (tests/test_spares.py)",
     "jddp.cli.launch.snapshots:make_locked_dir": "the launcher's snapshot folder (tests/test_snapshot*.py)",
     "jddp.cli.launch.workers:spawn": "the launcher's worker group (tests/test_launch.py)",
+    "jddp.cli.launch.zygote:Zygote.start": "the zygote's process and its socket's reader (tests/test_zygote.py)",
+    "jddp.cli.launch.zygote:Zygote.fork": "a forked spare's output readers (tests/test_zygote.py)",
     "jddp.cli.reports:ReportServer.__init__": "node launchers' reports (tests/test_nodes*.py)",
     "jddp.cli.reports:ReportServer._serve": "node launchers' reports (tests/test_nodes*.py)",
     "jddp.cli.reports:Subscription.__init__": "node launchers' reports (tests/test_nodes*.py)",

@@ -5,7 +5,8 @@ Grain and jddp (1.7 to 2.2 s of the 2.65 s from a kill to the first step of the 
 launch --max-restarts N`` (N > 0, and not ``--no-spares``) the launcher keeps one spare per local process, ``python
 -u -m jddp.cli.spare FD``, started once the attempt's processes are past their first step (or a few seconds after
 they started; at once in an attempt woken from standby), one generation per coming attempt up to ``--standby-depth``
-(``jddp.cli.launch.spares``). A spare imports ``HEAVY_MODULES`` and then blocks reading the socket ``FD`` until the
+(``jddp.cli.launch.spares``); most are forked, imported already, from the node's zygote (``jddp.cli.zygote``), which
+runs ``serve`` in each fork. A spare imports ``HEAVY_MODULES`` and then blocks reading the socket ``FD`` until the
 launcher hands it its role, one JSON object: the complete environment of the process (what the launcher would have
 started it with: ``JDDP_PROCESS_ID``, ``JDDP_COORDINATOR``, ``JDDP_RESTART_COUNT``, ... ) and what to run. The spare
 then replaces ``os.environ`` with it, sets ``sys.argv``, and runs the target as ``python -u script.py args``
@@ -37,11 +38,12 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import Protocol
 
 from jddp.cli import output
 from jddp.handoff import ENV_STANDBY_FD, READY, STANDING_BY, receive
 
-__all__ = ["HEAVY_MODULES", "READY", "Spare", "become", "main", "prepare", "role"]
+__all__ = ["HEAVY_MODULES", "READY", "Spare", "become", "main", "prepare", "role", "serve"]
 
 # What a training script imports (the examples, jddp.fit's loop): each imported when present, skipped when not.
 HEAVY_MODULES = (
@@ -87,12 +89,28 @@ def wake(env: dict[str, str]) -> bytes:
     return json.dumps({"env": env}).encode() + b"\n"
 
 
+class Process(Protocol):
+    """What the launcher uses of a process it started: a ``subprocess.Popen``, or a spare forked by the zygote
+    (``jddp.cli.launch.zygote.Forked``)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None, /) -> int: ...
+
+    def send_signal(self, sig: int, /) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclasses.dataclass
 class Spare:
     """The launcher's handle on one spare: its process, its output readers, its prefix, its end of the socket."""
 
     local_rank: int
-    popen: subprocess.Popen[bytes]
+    popen: Process
     channel: socket.socket
     prefix: output.Prefix
     readers: list[threading.Thread]
@@ -206,6 +224,12 @@ def main(argv: list[str]) -> int:
         return 2
     channel = socket.socket(fileno=int(argv[0]))
     prepare()
+    return serve(channel)
+
+
+def serve(channel: socket.socket) -> int:
+    """A spare's life once imported (here, or forked by ``jddp.cli.zygote``): says ``READY`` on ``channel``, waits
+    for its role, becomes it (the script's exit is this process's)."""
     with contextlib.suppress(OSError):
         channel.sendall(READY)
     given = receive(channel)

@@ -192,7 +192,7 @@ from jddp.cli.launch.environment import (
 from jddp.cli.launch.failure import PEER_LOST_WAIT_S
 from jddp.cli.launch.service import SERVICE_READY, SERVICE_STOP_SIGNAL
 from jddp.cli.launch.snapshots import SNAPSHOT_LOCK, SNAPSHOT_PREFIX, make_locked_dir, sweep_snapshots
-from jddp.cli.launch.spares import STANDBY_READY
+from jddp.cli.launch.spares import FORKED, SPARES_READY, STANDBY_READY
 from jddp.cli.launch.supervisor import PREPARE_AFTER_S, launch, main
 
 __all__ = [
@@ -200,6 +200,7 @@ __all__ = [
     "ENV_COORDINATOR_HOSTED",
     "ENV_SNAPSHOT_DIR",
     "ENV_STDOUT_FD",
+    "FORKED",
     "MALLOC_TUNABLES",
     "PEER_LOST_WAIT_S",
     "PREPARE_AFTER_S",
@@ -207,6 +208,7 @@ __all__ = [
     "SERVICE_STOP_SIGNAL",
     "SNAPSHOT_LOCK",
     "SNAPSHOT_PREFIX",
+    "SPARES_READY",
     "STANDBY_READY",
     "LaunchConfig",
     "command",

@@ -22,9 +22,11 @@ from jddp import exitcodes
 from jddp.cli import output
 from jddp.cli import spare as spare_lib
 from jddp.cli.launch import config as config_lib
-from jddp.cli.launch import environment, service, snapshots, workers
+from jddp.cli.launch import environment, service, snapshots, workers, zygote
 
 STANDBY_READY = "standby process(es) of the next attempt ready: compiled, waiting before their restore"
+SPARES_READY = "spare process(es) ready for a restart"
+FORKED = "forked from the zygote"  # said after SPARES_READY of spares forked by jddp.cli.zygote
 LATER_READY = "standby process(es) ready further ahead: compiled, waiting before their restore"
 # How long a restart waits for a generation handed its standby roles that does not stand by yet (its processes all
 # running): a bound for one stuck where it should not be; a standby process's whole preparation took 12 to 16 s at
@@ -113,26 +115,64 @@ class SparePool:
         self.generations: list[Generation] = []
         self.renice: dict[int, int] = {}  # pid -> the autogroup nice value still to write (the rate limit)
         self.early: set[int] = set()  # spares lowered to EARLY_NICE while the attempt they wait behind starts
+        self.zygote: zygote.Zygote | None = None  # forks imported spares (``open_zygote``)
         # An elastic run's next round where it is known ahead (node 0 of two nodes, MIN 1: the round of this node
         # alone, should the other be lost): its configuration and membership, which a generation stands by for.
         self.ahead: tuple[config_lib.LaunchConfig, str] | None = None
 
+    def open_zygote(self) -> None:
+        """Starts this node's zygote (``jddp.cli.launch.zygote``) where forked spares serve the run and a restart can
+        come, its autogroup at ``EARLY_NICE`` until ``lift_early`` (the first attempt starts up meanwhile)."""
+        c = self.config
+        if self.zygote is not None or not zygote.usable(c) or not (c.max_restarts > 0 or c.elastic):
+            return
+        env = environment.base_environment(c)
+        if self.snapshot_dir.path is not None:
+            env[environment.ENV_SNAPSHOT_DIR] = self.snapshot_dir.path
+        self.zygote = zygote.Zygote()
+        self.zygote.start(env)
+        self.zygote.set_nice(lambda pid: (self.early.add(pid), self.set_nice(pid, EARLY_NICE)))
+
+    def close_zygote(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
+
+    def forked(self, local_rank: int) -> spare_lib.Spare | None:
+        """A spare of process ``local_rank`` forked now from the zygote (imported from its first instant), or None
+        when the zygote is not ready."""
+        if self.zygote is None or not self.zygote.ready():
+            return None
+        return self._new(local_rank, early=False, fork_only=True)
+
     def start(self, local_rank: int, early: bool = False) -> spare_lib.Spare:
-        """Starts the spare of process ``local_rank`` (not kept: see ``prepare``), its autogroup lowered to
-        ``--standby-nice`` while it prepares (to ``EARLY_NICE`` when ``early``: until ``lift_early``)."""
+        """Starts the spare of process ``local_rank`` (not kept: see ``prepare``), forked from the zygote when it is
+        ready, else a process of its own; its autogroup lowered to ``--standby-nice`` while it prepares (to
+        ``EARLY_NICE`` when ``early``: until ``lift_early``)."""
+        spare = self._new(local_rank, early=early, fork_only=False)
+        assert spare is not None  # started as a process of its own when not forked
+        return spare
+
+    def _new(self, local_rank: int, *, early: bool, fork_only: bool) -> spare_lib.Spare | None:
         env = environment.base_environment(self.config)
         if self.snapshot_dir.path is not None:
             env[environment.ENV_SNAPSHOT_DIR] = self.snapshot_dir.path
         cores = environment.cores(self.config, local_rank, env)
-        ours, theirs = socket.socketpair()
         prefix = output.Prefix(f"[spare {local_rank}] ".encode())  # a spare prints nothing before its role
-        argv = [sys.executable, "-u", "-m", "jddp.cli.spare", str(theirs.fileno())]
-        try:
-            popen, readers, stdout_fd = workers.spawn(
-                self.output, argv, env, cores, prefix, pass_fds=(theirs.fileno(),)
-            )
-        finally:
-            theirs.close()
+        forked = self.zygote.fork(self.output, cores, prefix) if self.zygote is not None else None
+        if forked is not None:
+            popen, readers, stdout_fd, ours = forked
+        elif fork_only:
+            return None
+        else:
+            ours, theirs = socket.socketpair()
+            argv = [sys.executable, "-u", "-m", "jddp.cli.spare", str(theirs.fileno())]
+            try:
+                popen, readers, stdout_fd = workers.spawn(
+                    self.output, argv, env, cores, prefix, pass_fds=(theirs.fileno(),)
+                )
+            finally:
+                theirs.close()
         if early:
             self.early.add(popen.pid)
             self.set_nice(popen.pid, EARLY_NICE)
@@ -190,6 +230,8 @@ class SparePool:
             return
         if any(not g.standing_by(c.nprocs) for g in self.generations):
             return
+        if self.zygote is not None and self.zygote.pending():  # its spares will be forked, imported, in a moment
+            return
         local = c.node_rank == 0 and (c.coordinator is None or self.ahead is not None)
         upcoming = self.generations[-1].attempt + 1 if self.generations else attempt + 1
         next_service = self.services.spawn_local() if local else None
@@ -228,7 +270,8 @@ class SparePool:
             if spares and not generation.said_ready and all(s.ready() for s in spares.values()):
                 generation.said_ready = True
                 if number == 0:
-                    self.output.say(f"{len(spares)} spare process(es) ready for a restart")
+                    forked = all(isinstance(s.popen, zygote.Forked) for s in spares.values())
+                    self.output.say(f"{len(spares)} {SPARES_READY}" + (f" ({FORKED})" if forked else ""))
             if generation.said_ready:
                 self.hand_standby(generation)
             if generation.handed and not generation.said:
@@ -247,11 +290,12 @@ class SparePool:
             )
             return
         for spare in generation.spares.values():
-            if spare.standby and not spare.said_standing_by and spare.popen.poll() is not None:
+            code = spare.popen.poll()
+            if spare.standby and not spare.said_standing_by and code is not None:
                 generation.said = True  # a restart now starts its processes anew: start() says so
                 self.output.say(
                     f"the standby process for process {spare.prefix.value.decode().strip(' []')} of attempt "
-                    f"{generation.attempt} ended before it stood by ({exitcodes.describe(spare.popen.returncode)}); "
+                    f"{generation.attempt} ended before it stood by ({exitcodes.describe(code)}); "
                     "what it printed follows"
                 )
                 self.output.release(spare.prefix)

@@ -130,6 +130,9 @@ class Launcher:
         """Process ``local_rank``: woken from standby, handed to its spare, or started anew."""
         moment = environment.moment_environment(self.attempt_start, self.previous_end)
         spare = generation.spares.pop(local_rank, None) if generation is not None else None
+        how = "handed"
+        if spare is None and attempt > 0:  # none prepared: one forked now is imported already (jddp.cli.zygote)
+            spare, how = self.spares.forked(local_rank), "forked"
         if spare is not None:
             self.spares.restore(spare)  # it trains next: its autogroup back at nice 0
         if spare is not None and spare.standby:  # standing by as this very process (start checked)
@@ -146,7 +149,7 @@ class Launcher:
                                      target=c.target, args=c.target_args)  # fmt: skip
             if spare.hand(message, process_id):
                 handle = workers.pidfd(spare.popen.pid)
-                return workers.Worker(process_id, spare.popen, spare.readers, from_spare="handed", pidfd=handle)
+                return workers.Worker(process_id, spare.popen, spare.readers, from_spare=how, pidfd=handle)
             self.group.draining += spare.readers
             self.output.say(f"the spare for process {process_id} had ended: starting the process anew")
         argv, prefix = config_lib.command(self.config), output.Prefix(f"[{process_id}] ".encode())
@@ -196,7 +199,11 @@ class Launcher:
             + (f"round {attempt}" if c.elastic else f"attempt {attempt + 1} of {c.max_restarts + 1}")
             + f", coordinator {coordinator}): {' '.join(config_lib.command(c)[1:])}"
         )
-        for kind, how in (("handed", "handed to their spares, not started anew"), ("woken", "woken from standby")):
+        for kind, how in (
+            ("handed", "handed to their spares, not started anew"),
+            ("forked", "handed to spares forked now from the zygote (imported), not started anew"),
+            ("woken", "woken from standby"),
+        ):
             handed = [w for w in started if w.from_spare == kind]
             if handed:
                 said = ", ".join(f"{w.process_id} (pid {w.popen.pid})" for w in handed)
@@ -395,6 +402,7 @@ class Launcher:
         previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
         try:
             self.snapshot_dir.open(user_snapshot_dir, self.output.say)
+            self.spares.open_zygote()
             if c.transport == "mpi":
                 path = self.snapshot_dir.path
                 return mpi.run_mpi(c, self.output, self.group, path, lambda: self.signal_received)
@@ -418,6 +426,7 @@ class Launcher:
                 signal.signal(s, handler)
             try:
                 self.group.draining += self.spares.discard()  # and their services, started for restarts not come
+                self.spares.close_zygote()
                 self.services.join()
                 for thread in self.group.draining:
                     thread.join(timeout=10)

@@ -14,6 +14,7 @@ import threading
 import time
 
 from jddp.cli import output
+from jddp.cli import spare as spare_lib
 from jddp.cli.launch import environment, orphans
 
 FLUSH_SIGNAL = signal.SIGUSR2  # jddp.runtime.flush.FLUSH_SIGNAL: the processes write out their buffers and exit
@@ -30,14 +31,15 @@ def pidfd(pid: int) -> int | None:
 @dataclasses.dataclass
 class Worker:
     process_id: int
-    popen: subprocess.Popen[bytes]
+    popen: spare_lib.Process
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     code: int | None = None
     ended: float | None = None  # monotonic time its exit was seen
     ended_at: float | None = None  # the same as wall time, for the summary
     unresponsive: bool = False  # still running when the group had failed: the launcher killed it
     stopped_for_restart: bool = False  # still running when another failed and a restart followed: killed at once
-    from_spare: str = ""  # "handed": a spare took this role (jddp.cli.spare); "woken": it stood by in it
+    from_spare: str = ""  # "handed": a spare took this role (jddp.cli.spare); "forked": one forked for it now
+    # (jddp.cli.zygote); "woken": it stood by in it
     pidfd: int | None = None  # readable once it ended: the launcher wakes at once (pidfd)
 
 
