@@ -2,9 +2,9 @@
 
 Each process prints ``ATTEMPT a PROCESS p SPARE s SNAPSHOT dir KEPT k``: whether it runs in a spare
 (``python -m jddp.cli.spare``, or forked by ``python -m jddp.cli.zygote``: its command line), the snapshot directory
-it got and whether the mark that process 0 wrote there on the first attempt is still in it. On attempt 0, once the launcher's two spares exist, process 0
-SIGKILLs one of them (the restart starts that process anew, and hands the other its role) and process 1 SIGKILLs
-itself. Attempt 1 prints DONE.
+it got and whether the mark that process 0 wrote there on the first attempt is still in it. On attempt 0, once the
+launcher's two spares exist, process 0 SIGKILLs one of them (the restart starts that process anew, and hands the
+other its role) and process 1 SIGKILLs itself. Attempt 1 prints DONE.
 """
 
 import os
