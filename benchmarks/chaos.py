@@ -68,7 +68,7 @@ def final_digests(ckpt: Path) -> tuple[int, list]:
 def running(launcher: int, said: list[tuple[float, str]]) -> list[int]:
     """The launcher's worker processes now (started as ``train.py``, or spares handed a role or woken from standby:
     named by the launcher's lines), by pid."""
-    live = set(procs.children(launcher))
+    live = procs.descendants(launcher)  # a spare forked by the zygote is the launcher's grandchild
     lines = [line for _, line in list(said) if "handed" in line or "woken" in line]
     handed = {int(pid) for line in lines for _, pid in HANDED.findall(line)}
     return sorted(set(procs.workers(launcher)) | (handed & live))

@@ -18,6 +18,19 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def descendants(pid: int) -> set[int]:
+    """The process ``pid``'s children, theirs, and so on (spares forked by the launcher's zygote are its
+    grandchildren)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def workers(launcher: int) -> list[int]:
     """The launcher's Python worker processes (not the coordination service), in start order."""
     out = []
