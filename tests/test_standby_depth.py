@@ -212,3 +212,28 @@ def test_a_failure_waits_for_a_preparing_generation_only_until_30_s_after_its_ro
         waited = time.monotonic()
         p.await_standing_by(generation(0.0), lambda: False)  # a fresh one, after a wait in vain: not waited for
         assert time.monotonic() - waited < 10  # not the 30 s
+
+
+def test_spares_wait_for_a_zygote_still_importing_and_lift_its_priority(monkeypatch):
+    """``SparePool.prepare`` with the zygote still importing (``Zygote.pending``): no spare is started as a process
+    of its own (it will fork them, imported, in a moment), and the zygote, lowered while the first attempt starts
+    up, is back at nice 0 at once (its spares are wanted now: an elastic run never lifts it otherwise)."""
+    written: list[tuple[int, int]] = []
+    monkeypatch.setattr(spares_lib, "set_autogroup_nice", lambda pid, nice: written.append((pid, nice)) or True)
+    p = pool(max_restarts=2)
+    started: list[int] = []
+    monkeypatch.setattr(p, "start", lambda rank, early=False: started.append(rank))
+
+    class Importing:
+        def pending(self) -> bool:
+            return True
+
+        def set_nice(self, set_nice) -> None:
+            set_nice(4242)
+
+    p.zygote = Importing()  # type: ignore[assignment]
+    p.early.add(4242)
+    p.prepare(0)
+    p.prepare(0)
+    assert started == [] and p.generations == []
+    assert written == [(4242, 0)]  # once

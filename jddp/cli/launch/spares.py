@@ -193,6 +193,12 @@ class SparePool:
             self.early.discard(spare.popen.pid)
             self.set_nice(spare.popen.pid, 0)
 
+    def lift(self, pid: int) -> None:
+        """Process ``pid``, lowered to ``EARLY_NICE``, back at nice 0 (once)."""
+        if pid in self.early:
+            self.early.discard(pid)
+            self.set_nice(pid, 0)
+
     def lift_early(self) -> None:
         """The spares lowered to ``EARLY_NICE`` back at ``--standby-nice`` (the attempt they waited behind is past
         its start-up)."""
@@ -231,6 +237,7 @@ class SparePool:
         if any(not g.standing_by(c.nprocs) for g in self.generations):
             return
         if self.zygote is not None and self.zygote.pending():  # its spares will be forked, imported, in a moment
+            self.zygote.set_nice(self.lift)  # they are wanted now: its imports at full priority
             return
         local = c.node_rank == 0 and (c.coordinator is None or self.ahead is not None)
         upcoming = self.generations[-1].attempt + 1 if self.generations else attempt + 1
