@@ -22,29 +22,39 @@ TIMES = goodput_accounts.TIMERS  # the seconds fit counts, the same its ledger k
 
 class Means:
     """The running means of a ``fit``: the logging window's and the epoch's, saved with each checkpoint so that a
-    resumed run logs the same means as an uninterrupted one; and the run's id (``jddp.goodput``: process 0's, which
-    is the one Orbax writes), so that a resume continues the run."""
+    resumed run logs the same means as an uninterrupted one; the run's id (``jddp.goodput``: process 0's, which
+    is the one Orbax writes), so that a resume continues the run; and the records of the newest step that wrote
+    any (``last``), which a resume at that step writes if the log lacks them (``Loop.begin``): every process
+    computes them, but only process 0 writes them, and a process 0 killed while it waited for a step's metrics
+    never wrote the records of a step its peers had snapshotted already."""
 
     def __init__(self):
         self.epoch = metrics_lib.RunningMeans()
         self.window = metrics_lib.RunningMeans(parent=self.epoch)
         self.run: str | None = None
+        self.last: list[dict] = []  # the records of the newest step that wrote any, as written
+
+    def note(self, rec: dict) -> None:
+        """``rec`` was written (or would have been, on a process other than 0)."""
+        if self.last and self.last[0]["step"] != rec["step"]:
+            self.last = []
+        self.last.append(rec)
 
     def get_state(self) -> dict:
         window = self.window.get_state()  # reads the window's pending steps into the epoch too: first
-        return {"window": window, "epoch": self.epoch.get_state(), "run": self.run}
+        return {"window": window, "epoch": self.epoch.get_state(), "run": self.run, "last": list(self.last)}
 
     def get_state_later(self):
         """``get_state`` as a function to call later from another thread, without waiting for the steps now
         (``RunningMeans.get_state_later``; the window's pending steps count in the epoch's copy as well)."""
         epoch = self.epoch._detached()
         window = self.window._detached(parent=epoch)
-        run = self.run
+        run, last = self.run, list(self.last)
 
         def state() -> dict:
             window._read_detached()  # into the epoch's copy too
             epoch._read_detached()
-            return {"window": window.get_state(), "epoch": epoch.get_state(), "run": run}
+            return {"window": window.get_state(), "epoch": epoch.get_state(), "run": run, "last": last}
 
         return state
 
@@ -52,6 +62,7 @@ class Means:
         self.window.set_state(state["window"])
         self.epoch.set_state(state["epoch"])
         self.run = state.get("run")  # None from a checkpoint saved before runs had ids
+        self.last = list(state.get("last") or [])  # none in a checkpoint saved before they were kept
 
 
 class Loop:
@@ -136,6 +147,9 @@ class Loop:
             progress.configure(flight_dir=log_dir)  # stall flight records beside the run's log
         if self.out.main:
             self.out.open(first, log_dir, config, self.at())
+            for rec in self.means.last:  # the restored step's records, where its process 0 died before it wrote them
+                if rec.get("step") == first:
+                    self.out.record(rec, history=False)  # the log writes each (step, split) once
         return state
 
     def run_to_end(self, state):
@@ -272,7 +286,10 @@ class Loop:
         return {"step": self.step, "epoch": round(self.loader.sampler.position / len(self.loader), 6)}
 
     def record(self, split: str, metrics: dict[str, float], *, history: bool = True) -> None:
-        self.out.record({**self.at(), "split": split, **metrics}, history=history)
+        rec = {**self.at(), "split": split, **metrics}
+        if history:  # a step's curves (train, train_epoch, eval), kept with the checkpoint: see Means
+            self.means.note(rec)
+        self.out.record(rec, history=history)
 
     def summary(self, wall: float) -> dict[str, float]:
         t = self.times

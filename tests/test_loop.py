@@ -219,6 +219,35 @@ def test_bad_arguments_are_rejected_before_anything_runs(tmp_path):
     assert not log.exists() and int(state.step) == 0 and train.get_state()["position"] == 0
 
 
+@pytest.mark.slow  # compiling and training twice: the full tier
+@pytest.mark.parametrize("lost", [("train",), ("train", "train_epoch", "eval")])
+def test_a_resume_writes_the_restored_steps_records_its_process_0_died_before_writing(tmp_path, lost):
+    """Process 0 alone writes the log, and its peers snapshot a step while it still waits for that step's metrics:
+    killed there, it never wrote the records of a step the group then resumes from. Here a run of 10 steps saves
+    step 10 (an epoch's end, an evaluation, a train record); its log loses that step's records (``lost``); the
+    resume from step 10 writes them back from the checkpoint (``Means.last``), equal to the lost ones, each once,
+    and the rest of the run logs as before."""
+    log, ckpt = tmp_path / "log", tmp_path / "ckpt"
+    dp, state, train, test = make()
+    with jddp.Checkpointer(ckpt, save_every=10) as c:
+        fit(dp, state, train, steps=10, eval_loader=test, eval_every=5, log_dir=log, log_every=5,
+            checkpointer=c, progress=False)  # fmt: skip
+    path = log / "metrics.jsonl"
+    records = read_metrics(path)
+    gone = [r for r in records if r["step"] == 10 and r["split"] in lost]
+    assert sorted(r["split"] for r in gone) == sorted(lost)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records if r not in gone))
+    dp, state, train, test = make()
+    with jddp.Checkpointer(ckpt, save_every=10) as c:
+        fit(dp, state, train, steps=15, eval_loader=test, eval_every=5, log_dir=log, log_every=5,
+            checkpointer=c, progress=False)  # fmt: skip
+    after = training(read_metrics(path))
+    at_10 = [r for r in after if r["step"] == 10]
+    assert sorted(r["split"] for r in at_10) == ["eval", "train", "train_epoch"]  # each once
+    assert [r for r in at_10 if r["split"] in lost] == training(gone)
+    assert [r["step"] for r in after if r["split"] == "train"] == [5, 10, 15]
+
+
 def run_worker(out: Path, steps: int, **env: str) -> subprocess.Popen:
     out.mkdir(exist_ok=True)
     return subprocess.Popen(
