@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -241,32 +243,37 @@ def test_other_errors_pass_through_unchanged(text):
 # ------------------------------------------------------------ real processes
 
 
+LATE_PATHS = {  # where process 1 is late: (the worker's path, devices per process)
+    "before-DataParallel.init": ("dp", 1),
+    "before-data_parallel": ("own", 1),
+    "after-init-before-the-first-step-2-devices-each": ("step", 2),
+    "the-guides-own-jit-pattern": ("jit", 1),
+}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("path", "devices"),
-    [("dp", 1), ("own", 1), ("step", 2), ("jit", 1)],
-    ids=[
-        "before-DataParallel.init",
-        "before-data_parallel",
-        "after-init-before-the-first-step-2-devices-each",
-        "the-guides-own-jit-pattern",
-    ],
-)
-def test_a_peer_40_s_late_to_its_first_collective_trains_and_finishes(path, devices):
+def test_a_peer_40_s_late_to_its_first_collective_trains_and_finishes():
     """Process 1 reaches a first collective 40 s after process 0 (past gloo's fixed 30-s window): the group meets
     first under the start-up timeout (120 s), then trains and finishes, with no restart: late to ``DataParallel.init``,
     to a script's own step (``jddp.data_parallel``), with 2 devices a process late after ``init`` to the first step
     (whose collectives connect another set of devices than init's: gloo's window again), and to a ``jax.jit`` of the
-    script's own met as the launch guide says (compiled, ``jddp.barrier``, run)."""
-    done = multiprocess.launch(
-        "-n", "2", "--devices-per-process", str(devices), "--max-restarts", "0", LATE, "40", "3", path, timeout=400
-    )
-    shown = done.stdout[-3000:] + done.stderr[-5000:]
-    assert done.returncode == 0, shown
-    trained = re.findall(r"TRAINED 3 (\S+)", done.stdout)
-    assert len(trained) == 2 and len(set(trained)) == 1, shown
-    assert "Gloo context initialization failed" not in done.stdout + done.stderr, shown
+    script's own met as the launch guide says (compiled, ``jddp.barrier``, run). The four groups run side by side:
+    each waits 40 s, asleep (one after the other, the four took 3 minutes of the suite)."""
+
+    def late(path: str, devices: int) -> subprocess.CompletedProcess:
+        argv = ["-n", "2", "--devices-per-process", str(devices), "--max-restarts", "0", LATE, "40", "3", path]
+        return multiprocess.launch(*argv, timeout=400)
+
+    with concurrent.futures.ThreadPoolExecutor(len(LATE_PATHS)) as pool:
+        runs = {name: pool.submit(late, *where) for name, where in LATE_PATHS.items()}
+    for name, run in runs.items():
+        done = run.result()
+        shown = f"{name}:\n{done.stdout[-3000:]}{done.stderr[-5000:]}"
+        assert done.returncode == 0, shown
+        trained = re.findall(r"TRAINED 3 (\S+)", done.stdout)
+        assert len(trained) == 2 and len(set(trained)) == 1, shown
+        assert "Gloo context initialization failed" not in done.stdout + done.stderr, shown
 
 
 @pytest.mark.multiprocess
