@@ -147,9 +147,10 @@ class Loop:
             progress.configure(flight_dir=log_dir)  # stall flight records beside the run's log
         if self.out.main:
             self.out.open(first, log_dir, config, self.at())
-            for rec in self.means.last:  # the restored step's records, where its process 0 died before it wrote them
-                if rec.get("step") == first:
-                    self.out.record(rec, history=False)  # the log writes each (step, split) once
+            if self.out.log is not None and self.out.log.continues:  # this run's log goes on: no gap in its steps
+                for rec in self.means.last:  # the restored step's records, where its process 0 died first
+                    if rec.get("step") == first:
+                        self.out.record(rec, history=False)  # the log writes each (step, split) once
         return state
 
     def run_to_end(self, state):

@@ -57,6 +57,9 @@ class RunLog:
         # only those at the last step written or later can come again: the rest are dropped as the steps go on
         # (a set of every key written grew by one per record, without bound in a long run).
         self.seen = {(r["step"], r["split"], r.get("attempt")) for r in kept if r.get("run") == run}
+        # whether this file already holds this run's curves: a resume that goes on logging here (not a new log_dir,
+        # not a new run started from a finished run's checkpoint)
+        self.continues = any(r.get("run") == run and not r["split"].startswith("goodput") for r in kept)
         self.seen_from = first
         self.file = open(self.path, "a")  # closed in close()
         self.tb = summary_writer(log_dir / TENSORBOARD_DIR / (run or "run"), purge_step=first + 1)

@@ -94,7 +94,11 @@ def test_a_restart_hands_the_roles_to_the_spares_and_a_dead_spare_is_replaced_by
     """On attempt 0 one of the two spares is killed: attempt 1 runs one process in the other spare and starts the
     other anew. The snapshot directory is the same on both attempts (a file written on the first is still there),
     and gone after."""
-    done = multiprocess.launch("-n", "2", "--max-restarts", "1", "--peer-timeout", "10", RESTART, timeout=240)
+    # --no-standby: spares with their imports only (forked from the zygote, at once ready: handed a standby role,
+    # the one killed would end its whole generation, and both processes would be forked anew)
+    done = multiprocess.launch(
+        "-n", "2", "--max-restarts", "1", "--no-standby", "--peer-timeout", "10", RESTART, timeout=240
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     seen = {}
     for line in done.stdout.splitlines():

@@ -59,7 +59,12 @@ def forked(z: zygote.Zygote, tmp_path: Path, name: str, how: str, cores=None, li
     """A spare forked from ``z`` and handed the role of SCRIPT writing ``name``.json then exiting ``how``."""
     out = output.Output()
     if lines is not None:
-        out.pump = lambda pipe, target, prefix, native=False: lines.extend(pipe.read().decode().splitlines())
+
+        def pump(pipe, target, prefix, native=False) -> None:  # as Output.pump: read to the end, then close
+            with pipe:
+                lines.extend(pipe.read().decode().splitlines())
+
+        out.pump = pump
     got = z.fork(out, cores, output.Prefix(b"[spare 0] "))
     assert got is not None, "the zygote did not fork"
     popen, readers, stdout_fd, channel = got
