@@ -214,26 +214,31 @@ def test_a_failure_waits_for_a_preparing_generation_only_until_30_s_after_its_ro
         assert time.monotonic() - waited < 10  # not the 30 s
 
 
-def test_spares_wait_for_a_zygote_still_importing_and_lift_its_priority(monkeypatch):
-    """``SparePool.prepare`` with the zygote still importing (``Zygote.pending``): no spare is started as a process
-    of its own (it will fork them, imported, in a moment), and the zygote, lowered while the first attempt starts
-    up, is back at nice 0 at once (its spares are wanted now: an elastic run never lifts it otherwise)."""
-    written: list[tuple[int, int]] = []
-    monkeypatch.setattr(spares_lib, "set_autogroup_nice", lambda pid, nice: written.append((pid, nice)) or True)
-    p = pool(max_restarts=2)
-    started: list[int] = []
-    monkeypatch.setattr(p, "start", lambda rank, early=False: started.append(rank))
+def test_spares_wait_for_the_zygote_it_starts_when_the_first_generation_is_wanted(monkeypatch):
+    """``SparePool.prepare``: no zygote runs before a generation is wanted (the first attempt's start-up has the
+    CPUs to itself); the first ``prepare`` starts one, and while it imports (``Zygote.pending``) no spare is
+    started as a process of its own (it will fork them, imported, in a moment); once it is ready they are."""
+    from jddp.cli.launch import zygote
+
+    opened: list[dict] = []
+    ready = {"now": False}
 
     class Importing:
+        def start(self, env) -> None:
+            opened.append(env)
+
         def pending(self) -> bool:
-            return True
+            return not ready["now"]
 
-        def set_nice(self, set_nice) -> None:
-            set_nice(4242)
-
-    p.zygote = Importing()  # type: ignore[assignment]
-    p.early.add(4242)
+    monkeypatch.setattr(zygote, "Zygote", Importing)
+    p = pool(max_restarts=2, standby=False)
+    started: list[int] = []
+    monkeypatch.setattr(p, "start", lambda rank, early=False: started.append(rank))
+    monkeypatch.setattr(p.services, "spawn_local", lambda: None)
+    assert p.zygote is None
     p.prepare(0)
     p.prepare(0)
-    assert started == [] and p.generations == []
-    assert written == [(4242, 0)]  # once
+    assert len(opened) == 1 and started == [] and p.generations == []
+    ready["now"] = True
+    p.prepare(0)
+    assert started == [0, 1] and len(p.generations) == 1 and len(opened) == 1

@@ -121,17 +121,16 @@ class SparePool:
         self.ahead: tuple[config_lib.LaunchConfig, str] | None = None
 
     def open_zygote(self) -> None:
-        """Starts this node's zygote (``jddp.cli.launch.zygote``) where forked spares serve the run and a restart can
-        come, its autogroup at ``EARLY_NICE`` until ``lift_early`` (the first attempt starts up meanwhile)."""
+        """Starts this node's zygote (``jddp.cli.launch.zygote``) where forked spares serve the run: when the first
+        generation is wanted (``prepare``), not with the first attempt, whose start-up has the CPUs to itself."""
         c = self.config
-        if self.zygote is not None or not zygote.usable(c) or not (c.max_restarts > 0 or c.elastic):
+        if self.zygote is not None or not zygote.usable(c):
             return
         env = environment.base_environment(c)
         if self.snapshot_dir.path is not None:
             env[environment.ENV_SNAPSHOT_DIR] = self.snapshot_dir.path
         self.zygote = zygote.Zygote()
         self.zygote.start(env)
-        self.zygote.set_nice(lambda pid: (self.early.add(pid), self.set_nice(pid, EARLY_NICE)))
 
     def close_zygote(self) -> None:
         if self.zygote is not None:
@@ -193,12 +192,6 @@ class SparePool:
             self.early.discard(spare.popen.pid)
             self.set_nice(spare.popen.pid, 0)
 
-    def lift(self, pid: int) -> None:
-        """Process ``pid``, lowered to ``EARLY_NICE``, back at nice 0 (once)."""
-        if pid in self.early:
-            self.early.discard(pid)
-            self.set_nice(pid, 0)
-
     def lift_early(self) -> None:
         """The spares lowered to ``EARLY_NICE`` back at ``--standby-nice`` (the attempt they waited behind is past
         its start-up)."""
@@ -236,8 +229,8 @@ class SparePool:
             return
         if any(not g.standing_by(c.nprocs) for g in self.generations):
             return
+        self.open_zygote()
         if self.zygote is not None and self.zygote.pending():  # its spares will be forked, imported, in a moment
-            self.zygote.set_nice(self.lift)  # they are wanted now: its imports at full priority
             return
         local = c.node_rank == 0 and (c.coordinator is None or self.ahead is not None)
         upcoming = self.generations[-1].attempt + 1 if self.generations else attempt + 1

@@ -402,7 +402,6 @@ class Launcher:
         previous = {s: signal.signal(s, self.on_signal) for s in FORWARDED_SIGNALS}
         try:
             self.snapshot_dir.open(user_snapshot_dir, self.output.say)
-            self.spares.open_zygote()
             if c.transport == "mpi":
                 path = self.snapshot_dir.path
                 return mpi.run_mpi(c, self.output, self.group, path, lambda: self.signal_received)

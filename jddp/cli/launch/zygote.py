@@ -1,11 +1,12 @@
 """The launcher's side of the zygote (``jddp.cli.zygote``): one process of this node that has imported what a spare
 imports, and forks spares that are imported from their first instant.
 
-``SparePool`` starts it with the first attempt, its autogroup at ``spares.EARLY_NICE`` until that attempt is past
-its first step (it imports while the attempt starts up, on what the attempt leaves idle), and asks it for each
-spare once it is ready; until then, and where it cannot serve (``usable``), spares are started as processes of
-their own as before. A restart that finds no spare for a process forks one and hands it the role at once
-(``Launcher.start_one``): its processes skip Python's start and the imports.
+``SparePool`` starts it when the first generation of spares is wanted (the first attempt past its first step, or
+a restart with nothing behind it), waits for its imports (``pending``: as long as spares of their own would import,
+with one importing process instead of one per local process), and asks it for each spare once it is ready; where it
+cannot serve (``usable``), or should it not get ready, spares are started as processes of their own as before. A
+restart that finds no spare for a process forks one and hands it the role at once (``Launcher.start_one``): its
+processes skip Python's start and the imports.
 
 A forked spare is the zygote's child, not the launcher's: ``Forked`` is the launcher's handle on it, used as a
 ``subprocess.Popen`` is (``pid``, ``poll``, ``wait``, ``returncode``, signals), its exit code as the zygote reports
