@@ -34,6 +34,7 @@ import select
 import signal
 import socket
 import sys
+import warnings
 
 from jddp.cli import spare as spare_lib
 from jddp.handoff import READY
@@ -107,7 +108,12 @@ def serve(control: socket.socket) -> int | None:
         request = json.loads(message)
         channel_fd, out_fd, err_fd, stdout_fd = fds
         started_read, started_write = os.pipe()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns at a fork of a process with several threads: the zygote has one native thread
+            # besides its main one, started by its imports and idle once they are done (what a fork of it may not
+            # rely on is in this module's docstring; the tests fork and run whole training attempts)
+            warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             # detached, not closed: the socket object, still referenced here, would close its number again when
             # collected, by then another descriptor's (gRPC's epoll one: "epoll_wait error: Bad file descriptor")
