@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -760,58 +761,15 @@ def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_r
         assert source == "peer" or (source == "disk" and step == disk == kill - 1), shown
 
 
-@pytest.mark.multiprocess
-def test_a_restart_handed_to_spares_forked_from_the_zygote_resumes_bitwise_equal(tmp_path, two_process_reference):
-    """``--no-standby``: process 1 SIGKILLs itself after step 9 once the launcher says its spares are ready, forked
-    from the zygote (``jddp.cli.zygote``); the restart hands them their roles, they run the script (its imports
-    done in the zygote), restore from memory and end the run bitwise equal to the uninterrupted one, exit codes
-    and output as any process's."""
-    ready = tmp_path / "spares-ready"
+def launch_killed_once_when(tmp_path: Path, said_when: Callable[[str], bool], *flags: str) -> tuple[int, str, str]:
+    """The checkpointing worker under ``jddp launch -n 2 --max-restarts 3 *flags``, process 1 SIGKILLing itself after
+    step 9 once a launcher line satisfies ``said_when`` (``KILL_ONCE``); returns the exit code, what the processes
+    printed and what the launcher said."""
+    ready = tmp_path / "said"
     env = {"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory"), "KILL_ONCE": f"9:{ready}"}
     (tmp_path / "run").mkdir()
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "2", "--no-standby", "--peer-timeout",
-         "15", WORKER, str(tmp_path / "run"), str(TWO_PROCESS_STEPS)],
-        env=multiprocess.environment(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=multiprocess.ROOT,
-    )  # fmt: skip
-    said: list[str] = []
-    printed: list[str] = []
-
-    def read(pipe, lines: list[str]) -> None:
-        for line in pipe:
-            lines.append(line)
-            if launch_lib.SPARES_READY in line and launch_lib.FORKED in line:
-                ready.touch()
-
-    readers = [
-        threading.Thread(target=read, args=(pipe, lines), daemon=True)
-        for pipe, lines in ((launcher.stderr, said), (launcher.stdout, printed))
-    ]
-    multiprocess.wait_read(launcher, readers, 240)
-    out = "".join(printed)
-    shown = out + "".join(said)
-    assert launcher.returncode == 0, shown
-    assert re.search(r"process\(es\) 0 \(pid \d+\), 1 \(pid \d+\) handed to their spares", shown), shown
-    assert_same_run(tmp_path / "run", two_process_reference, "handed to forked spares")
-    resumed = re.findall(r"^\[0\] RESUMED at step (\d+) attempt (\d) from (\w+)$", out, re.MULTILINE)
-    assert resumed[0] == ("0", "0", "None") and len(resumed) == 2, shown
-    assert 8 <= int(resumed[1][0]) <= 9 and resumed[1][1:] == ("1", "peer"), shown
-    assert len(re.findall(r"^\[1\] jddp: process 1 of 2", out + "".join(said), re.MULTILINE)) == 2, shown
-
-
-@pytest.mark.multiprocess
-def test_a_restart_woken_from_standby_resumes_bitwise_equal(tmp_path, two_process_reference):
-    """Process 1 SIGKILLs itself after step 9 once the launcher says its standby processes stand by: the restart
-    wakes them (no process started), they restore from memory (process 0's snapshot sent to process 1: the kill's
-    step, or one before), and the run ends bitwise equal to the uninterrupted one; what the standby processes printed
-    before they were woken comes out after, prefixed as any process's; the standby processes of the next attempt
-    (never woken) print nothing."""
-    ready = tmp_path / "standby-ready"
-    env = {"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory"), "KILL_ONCE": f"9:{ready}"}
-    (tmp_path / "run").mkdir()
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", "--peer-timeout", "15",
+        [sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", *flags, "--peer-timeout", "15",
          WORKER, str(tmp_path / "run"), str(TWO_PROCESS_STEPS)],
         env=multiprocess.environment(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=multiprocess.ROOT,
@@ -822,7 +780,7 @@ def test_a_restart_woken_from_standby_resumes_bitwise_equal(tmp_path, two_proces
     def read(pipe, lines: list[str]) -> None:
         for line in pipe:
             lines.append(line)
-            if launch_lib.STANDBY_READY in line:
+            if said_when(line):
                 ready.touch()
 
     readers = [
@@ -830,9 +788,38 @@ def test_a_restart_woken_from_standby_resumes_bitwise_equal(tmp_path, two_proces
         for pipe, lines in ((launcher.stderr, said), (launcher.stdout, printed))
     ]
     multiprocess.wait_read(launcher, readers, 240)
-    out = "".join(printed)
-    shown = out + "".join(said)
-    assert launcher.returncode == 0, shown
+    return launcher.returncode, "".join(printed), "".join(said)
+
+
+@pytest.mark.multiprocess
+def test_a_restart_handed_to_spares_forked_from_the_zygote_resumes_bitwise_equal(tmp_path, two_process_reference):
+    """``--no-standby``: process 1 SIGKILLs itself after step 9 once the launcher says its spares are ready, forked
+    from the zygote (``jddp.cli.zygote``); the restart hands them their roles, they run the script (its imports
+    done in the zygote), restore from memory and end the run bitwise equal to the uninterrupted one, exit codes
+    and output as any process's."""
+    code, out, said = launch_killed_once_when(
+        tmp_path, lambda line: launch_lib.SPARES_READY in line and launch_lib.FORKED in line, "--no-standby"
+    )
+    shown = out + said
+    assert code == 0, shown
+    assert re.search(r"process\(es\) 0 \(pid \d+\), 1 \(pid \d+\) handed to their spares", shown), shown
+    assert_same_run(tmp_path / "run", two_process_reference, "handed to forked spares")
+    resumed = re.findall(r"^\[0\] RESUMED at step (\d+) attempt (\d) from (\w+)$", out, re.MULTILINE)
+    assert resumed[0] == ("0", "0", "None") and len(resumed) == 2, shown
+    assert 8 <= int(resumed[1][0]) <= 9 and resumed[1][1:] == ("1", "peer"), shown
+    assert len(re.findall(r"^\[1\] jddp: process 1 of 2", out + said, re.MULTILINE)) == 2, shown
+
+
+@pytest.mark.multiprocess
+def test_a_restart_woken_from_standby_resumes_bitwise_equal(tmp_path, two_process_reference):
+    """Process 1 SIGKILLs itself after step 9 once the launcher says its standby processes stand by: the restart
+    wakes them (no process started), they restore from memory (process 0's snapshot sent to process 1: the kill's
+    step, or one before), and the run ends bitwise equal to the uninterrupted one; what the standby processes printed
+    before they were woken comes out after, prefixed as any process's; the standby processes of the next attempt
+    (never woken) print nothing."""
+    code, out, said = launch_killed_once_when(tmp_path, lambda line: launch_lib.STANDBY_READY in line)
+    shown = out + said
+    assert code == 0, shown
     assert re.search(r"process\(es\) 0 \(pid \d+\), 1 \(pid \d+\) woken from standby", shown), shown
     assert "handed to their spares" not in shown and "starting the processes anew" not in shown, shown
     assert_same_run(tmp_path / "run", two_process_reference, "woken from standby")
@@ -840,7 +827,7 @@ def test_a_restart_woken_from_standby_resumes_bitwise_equal(tmp_path, two_proces
     assert resumed[0] == ("0", "0", "None") and len(resumed) == 2, shown
     assert 8 <= int(resumed[1][0]) <= 9 and resumed[1][1:] == ("1", "peer"), shown
     # the woken processes' first lines (jddp.initialize's, printed in standby) came out, prefixed
-    assert len(re.findall(r"^\[1\] jddp: process 1 of 2", out + "".join(said), re.MULTILINE)) == 2, shown
+    assert len(re.findall(r"^\[1\] jddp: process 1 of 2", out + said, re.MULTILINE)) == 2, shown
     assert not [line for line in out.splitlines() if not line.startswith(("[0] ", "[1] "))], out
 
 
