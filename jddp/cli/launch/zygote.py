@@ -91,9 +91,6 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
 
 class Zygote:
     """The zygote process and the launcher's end of its socket (``jddp.cli.zygote``'s protocol)."""
@@ -209,11 +206,6 @@ class Zygote:
             reader.start()
             readers.append(reader)
         return forked, readers, int(answer["stdout_fd"]), ours
-
-    def set_nice(self, set_nice) -> None:
-        """Calls ``set_nice(pid)`` with the zygote's pid, when it runs."""
-        if self.popen is not None and self.popen.poll() is None:
-            set_nice(self.popen.pid)
 
     def close(self) -> None:
         """Ends the zygote (its forked spares live on, each ended as a spare is)."""
