@@ -59,10 +59,28 @@ class Means:
         return state
 
     def set_state(self, state: dict) -> None:
+        last = _records(state.get("last") or [])  # first: refused before anything changes; none in older checkpoints
         self.window.set_state(state["window"])
         self.epoch.set_state(state["epoch"])
         self.run = state.get("run")  # None from a checkpoint saved before runs had ids
-        self.last = list(state.get("last") or [])  # none in a checkpoint saved before they were kept
+        self.last = last
+
+
+def _records(value) -> list[dict]:
+    """``Means.last`` as read back from a checkpoint: records, each with a whole ``step`` and a ``split``.
+
+    Raises:
+      ValueError: anything else (the checkpoint's ``extra`` damaged or written by other code), naming the value.
+    """
+    ok = isinstance(value, list) and all(
+        isinstance(r, dict) and type(r.get("step")) is int and isinstance(r.get("split"), str) for r in value
+    )
+    if not ok:
+        raise ValueError(
+            f"The checkpoint's fit state holds last={value!r:.200}: expected a list of records with a whole 'step' "
+            "and a 'split' (jddp.fit writes them). Restore another step, or remove 'last' from its extra state."
+        )
+    return list(value)
 
 
 class Loop:

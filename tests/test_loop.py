@@ -350,3 +350,36 @@ def test_a_restore_without_the_loader_says_the_data_position_is_not_restored(tmp
         warnings.simplefilter("error")
         with jddp.Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
             assert int(reader.restore_or_init(state).step) == int(state.step)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "last",
+    [
+        "train",
+        {"step": 3, "split": "train"},
+        [1, 2],
+        [{"split": "train"}],
+        [{"step": 3.0, "split": "train"}],
+        [{"step": True, "split": "train"}],
+        [{"step": 3, "split": 7}],
+        [{"step": 3, "split": "train"}, None],
+    ],
+    ids=str,
+)
+def test_a_checkpoints_records_that_are_not_records_are_refused_naming_them(last):
+    """``Means.set_state``: the restored step's records (``last``) come from a file jddp reads back; anything but a
+    list of records with a whole ``step`` and a ``split`` is refused, the value named, before the means change."""
+    from jddp.fit_loop import Means
+
+    good = Means()
+    state = {**good.get_state(), "last": [{"step": 3, "split": "train", "loss": 1.0}]}
+    means = Means()
+    means.set_state(state)
+    assert means.last == state["last"]
+    with pytest.raises(ValueError, match=r"holds last=.*expected a list of records with a whole 'step'"):
+        means.set_state({**state, "run": "other", "last": last})
+    assert means.run == state["run"] and means.last == state["last"]  # refused before anything changed
+    empty = Means()
+    empty.set_state({k: v for k, v in state.items() if k != "last"})  # a checkpoint from before they were kept
+    assert empty.last == []
