@@ -26,6 +26,11 @@ blocks), then over every block pair the median on/off ratio and the ratio of the
 off blocks' (what a run pays), each with its 95% bootstrap interval. ``--budget`` sets ``snapshot_budget``,
 ``--after`` ``jddp.checkpoint.snapshot_interval.AFTER``, to compare settings. ``--out FILE`` adds the run's block
 pairs to a JSON file; ``--pooled FILE`` prints the two statistics over every pair saved there, runs pooled.
+
+    python -m benchmarks snapshot_cost --within --compare kept [...]
+
+The same blocks, but what the off blocks leave out is only the copy of every step kept for the survivors of a failure
+(``jddp.checkpoint.snapshot_kept``): the snapshots are taken in both, so the ratio is the kept steps' own cost.
 """
 
 from __future__ import annotations
@@ -136,7 +141,10 @@ def worker(args) -> None:
 
     def block(mode: str) -> float:
         nonlocal state, step, taken_on
-        if mode == "off":
+        depth = snaps.kept.depth  # decided at the first step's take: the warm-up blocks are "on"
+        if mode == "off" and args.compare == "kept":
+            snaps.kept.depth = 0  # `keeps` is False: only the snapshot steps call `take`
+        elif mode == "off":
             snaps.take = lambda *a, **k: None
         taken = snaps.taken
         start = time.perf_counter()
@@ -148,6 +156,8 @@ def worker(args) -> None:
         snaps.wait()
         seconds = time.perf_counter() - start
         vars(snaps).pop("take", None)
+        if mode == "off":
+            snaps.kept.depth = depth
         taken_on += snaps.taken - taken
         return seconds / args.block
 
@@ -161,6 +171,7 @@ def worker(args) -> None:
     if jax.process_index() == 0:
         # the snapshots' own measure of their cost (what sizes the interval), for comparison with the blocks'
         summary = {
+            "kept_depth": snaps.kept.depth,
             "snapshots": snaps.taken,
             "every": ckpt.snapshot_every,
             "cost_ms": (snaps._cost_s or 0) * 1e3,
@@ -190,7 +201,7 @@ def within(args) -> dict:
                 sys.executable, "-m", "jddp.launch", "-n", "2", __file__, "--worker", "--dir", f"{run_dir}/ckpt",
                 "--blocks", str(args.blocks), "--block", str(args.block), "--save-every", str(args.save_every),
                 "--snapshot-every", str(args.snapshot_every), "--budget", str(args.budget),
-                "--after", str(args.after), "--model", args.model,
+                "--after", str(args.after), "--model", args.model, "--compare", args.compare,
             ]  # fmt: skip
             done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
         found = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
@@ -203,7 +214,8 @@ def within(args) -> dict:
         on_ms += on
         off_ms += off
         print(
-            f"  run {r}: on {statistics.median(on):.3f} ms/step, off {statistics.median(off):.3f}, "
+            f"  run {r} ({args.compare}, kept {result['kept_depth']} deep): on {statistics.median(on):.3f} ms/step, "
+            f"off {statistics.median(off):.3f}, "
             f"{result['snapshots']} snapshots, every {result['every']} step(s) at the end, each "
             f"{result['cost_ms']:.2f} ms by its threads' time, {result['wall_cost_ms']:.2f} ms by the wall time of the "
             f"steps after it; by the blocks: {block_cost(on, off, result, args):.2f} ms each",
@@ -253,6 +265,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--after", type=int, default=0, help="--within: snapshot_interval.AFTER (0: jddp's)")
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="--within: the model")
     parser.add_argument("--out", default=None, help="--within: a JSON file the block pairs are added to")
+    parser.add_argument(
+        "--compare", choices=("snapshots", "kept"), default="snapshots", help="--within: what the off blocks leave out"
+    )
     parser.add_argument("--pooled", default=None, help="print the statistics of the pairs saved in this file, pooled")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)

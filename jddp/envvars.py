@@ -130,6 +130,14 @@ VARIABLES: dict[str, Variable] = _declare(
         "unset: sized by their measured cost)",
         minimum=1,
     ),
+    Variable(
+        "JDDP_KEEP_STEPS",
+        "choice",
+        "auto",
+        "the newest steps' copies kept on the devices for the survivors of a failure to write (jddp.checkpoint."
+        "snapshot_kept): auto keeps them where they fit, on always, off never",
+        choices=("auto", "on", "off"),
+    ),
     # set by jddp launch for each process: for the script to read
     Variable("JDDP_LOCAL_RANK", "int", None, "this process's index on its node (jddp launch)", internal=True),
     Variable(

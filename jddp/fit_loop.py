@@ -15,7 +15,7 @@ import jax
 
 from jddp import exitcodes, fit_outputs, goodput_accounts
 from jddp.engine import metrics as metrics_lib
-from jddp.runtime import progress, standby
+from jddp.runtime import dispatch, progress, standby
 
 TIMES = goodput_accounts.TIMERS  # the seconds fit counts, the same its ledger keeps
 
@@ -248,7 +248,9 @@ class Loop:
             self.times["step_s"] += time.perf_counter() - start
         self.step += 1
         self.steps_run += 1
-        self.out.stepped(self.step, self.steps_run, self.times)
+        # the ledger's step: the newest one known complete (a step still running when a failure comes produced
+        # nothing, and is not counted as recomputed by the next attempt)
+        self.out.stepped(self.step - dispatch.DISPATCHER.unfinished(), self.steps_run, self.times)
         self.window.add(metrics)
         self.log_train(epoch_end=self.loader.sampler.position % len(self.loader) == 0)
         if self.eval_due():

@@ -698,6 +698,11 @@ def launch_worker(
 @pytest.fixture(scope="module")
 def two_process_reference(tmp_path_factory):
     """An uninterrupted 2-process run: the ids each step consumed, and the final parameters."""
+    return reference_run(tmp_path_factory)
+
+
+def reference_run(tmp_path_factory):
+    """``two_process_reference``'s run, for other modules' fixtures."""
     out = tmp_path_factory.mktemp("clean")
     done = launch_worker(out, restarts=0)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
@@ -761,12 +766,14 @@ def test_two_processes_killed_twice_resume_bitwise_equal(tmp_path, two_process_r
         assert source == "peer" or (source == "disk" and step == disk == kill - 1), shown
 
 
-def launch_killed_once_when(tmp_path: Path, said_when: Callable[[str], bool], *flags: str) -> tuple[int, str, str]:
+def launch_killed_once_when(
+    tmp_path: Path, said_when: Callable[[str], bool], *flags: str, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     """The checkpointing worker under ``jddp launch -n 2 --max-restarts 3 *flags``, process 1 SIGKILLing itself after
     step 9 once a launcher line satisfies ``said_when`` (``KILL_ONCE``); returns the exit code, what the processes
-    printed and what the launcher said."""
+    printed and what the launcher said. ``env``: more of the worker's settings."""
     ready = tmp_path / "said"
-    env = {"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory"), "KILL_ONCE": f"9:{ready}"}
+    env = {"JDDP_SNAPSHOT_DIR": str(tmp_path / "memory"), "KILL_ONCE": f"9:{ready}", **(env or {})}
     (tmp_path / "run").mkdir()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jddp.launch", "-n", "2", "--max-restarts", "3", *flags, "--peer-timeout", "15",

@@ -240,11 +240,7 @@ def two_process_reference(tmp_path_factory):
     """An uninterrupted 2-process run of the checkpointing worker (``tests.test_checkpoint``'s)."""
     from tests import test_checkpoint
 
-    out = tmp_path_factory.mktemp("clean")
-    done = test_checkpoint.launch_worker(out, restarts=0)
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    reference = {r["step"]: r["ids"] for r in test_checkpoint.read_consumed(out / "consumed.jsonl")}
-    return reference, dict(test_checkpoint.np.load(out / "final.npz"))
+    return test_checkpoint.reference_run(tmp_path_factory)
 
 
 def survivors(marker: str) -> list[int]:

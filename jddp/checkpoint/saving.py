@@ -188,7 +188,8 @@ class Saving(lifecycle.Lifecycle):
             self.save(state, loader, extra=extra)
             if snaps is not None:
                 snaps.disturbed(step)  # the save's time is not the snapshots' cost
-        if snaps is not None and step % self._preemption.snapshot_every == 0:
+        write = snaps is not None and step % self._preemption.snapshot_every == 0
+        if snaps is not None and (write or snaps.keeps):  # keeps: every step's copy, kept (snapshot_kept)
             # An `extra` with get_state_later (jddp.fit's running means) is read by the writer: its get_state would
             # wait for this step's metrics, and the loop would no longer run ahead of the devices.
             later = getattr(extra, "get_state_later", None)
@@ -197,6 +198,7 @@ class Saving(lifecycle.Lifecycle):
                 restore.as_dict(state),
                 loader.get_state() if loader is not None else None,
                 later() if callable(later) else extra.get_state() if extra is not None else None,
+                write=write,
             )
             self.stats["snapshots"], self.stats["snapshot_s"] = snaps.taken, snaps.seconds
         self._trimmer.maybe()

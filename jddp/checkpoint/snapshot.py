@@ -43,13 +43,15 @@ import jax
 import numpy as np
 
 from jddp import envvars
-from jddp.checkpoint import snapshot_format, snapshot_interval
+from jddp.checkpoint import snapshot_format, snapshot_interval, snapshot_kept
 from jddp.checkpoint.errors import CheckpointWarning
+from jddp.runtime import flush
 
 KEEP = 2  # complete snapshots kept per process
 SUFFIX = ".snap"
 WRITING = "writing.tmp"
 SPARE = "spare.tmp"  # the oldest snapshot's file, kept for the next write to reuse its pages
+FLUSHING = "flushing.tmp"  # a kept step written as the process is ended (write_kept): never read
 # the format's and the interval's names, where they were first defined
 FORMAT = snapshot_format.FORMAT
 Unusable = snapshot_format.Unusable
@@ -119,7 +121,7 @@ class _Clock:
 @dataclasses.dataclass
 class _Pending:
     step: int
-    buffers: list[jax.Array]
+    buffers: list[jax.Array | list[jax.Array]]  # per device: pack's buffer, or copies' (a step only kept)
     header: dict  # without the layout's part
     layout: snapshot_format.Layout
 
@@ -145,7 +147,8 @@ class Snapshots(snapshot_interval.Interval):
         self.process, self.processes = jax.process_index(), jax.process_count()
         self.folder = Path(base) / _key(directory) / f"process-{self.process}-of-{self.processes}"
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / WRITING).unlink(missing_ok=True)  # a write a kill interrupted: never read
+        for temporary in (WRITING, FLUSHING):
+            (self.folder / temporary).unlink(missing_ok=True)  # a write a kill interrupted: never read
         super().__init__(budget=budget, every=every)
         self.fingerprint = fingerprint
         self.run = run  # the checkpoint directory's run id (jddp.checkpoint.identity), in every header
@@ -159,15 +162,22 @@ class Snapshots(snapshot_interval.Interval):
         self.failed = 0
         self.closed = False
         self.phases: dict[str, list[tuple[float, float]]] | None = None  # set: each snapshot's phases timed
+        self.kept = snapshot_kept.Kept(self.processes)  # the newest steps' copies, for write_kept
+        flush.at_flush(self.write_kept)
 
     # -------------------------------------------------------------- taking
-    def take(self, step: int, tree: dict, loader_state: Any, extra_state: Any) -> None:
+    @property
+    def keeps(self) -> bool:
+        """Whether every step's copy is kept (``take(..., write=False)``): decided by the first state's layout."""
+        return self.kept.depth > 0 or not self._layouts
+
+    def take(self, step: int, tree: dict, loader_state: Any, extra_state: Any, *, write: bool = True) -> None:
         """Starts a snapshot of ``tree`` (the state's arrays by field) at ``step``; returns once the copy is
         dispatched. The previous snapshot's write is awaited first (one at a time). ``extra_state``: JSON, or a
-        function the writer calls for it."""
+        function the writer calls for it. ``write=False``: the copy is only kept (``keeps``), not written."""
         start = time.perf_counter()
         clock = _Clock(self.phases)
-        waited = self._join()
+        waited = self._join() if write else 0.0
         clock("join")
         # flattened once: a state of many NNX variables takes most of a snapshot's main-thread time to flatten
         leaves, treedef = jax.tree.flatten(tree)
@@ -175,10 +185,15 @@ class Snapshots(snapshot_interval.Interval):
         layout = self._layouts.get(signature)
         if layout is None:
             layout = self._layouts[signature] = snapshot_format.shard_layout(tree)
+            self.kept.fit(layout, leaves)
         clock("signature")
+        keep = self.kept.depth > 0 and layout.whole
         if layout.whole and self.local_rank:
+            write = False
+        if not (write or keep):
             return
-        self._started(step)
+        if write:
+            self._started(step)
         buffers = []
         for picks in layout.picks:
             parts = []
@@ -186,6 +201,10 @@ class Snapshots(snapshot_interval.Interval):
                 data = leaves[i] if position is None else leaves[i].addressable_data(position)
                 parts.append(jax.random.key_data(data) if key else data)
             clock("shards")
+            if not write:  # only kept: one buffer per shard, joined on the host if the flush writes it
+                buffers.append(snapshot_format.copies(parts))
+                clock("dispatch")
+                continue
             buffer = snapshot_format.pack(parts)
             if not _on_host(buffer):
                 # On an accelerator the buffer lives in device memory: its copy to the host starts now, beside the
@@ -205,9 +224,13 @@ class Snapshots(snapshot_interval.Interval):
             "loader": loader_state,
             "extra": extra_state,
         }
-        main_s = time.perf_counter() - start - waited
+        pending = _Pending(step, buffers, header, layout)
+        if keep:
+            self.kept.add(pending)
         clock("header")
-        self._pending = self._writer.submit(self._write, _Pending(step, buffers, header, layout), main_s + waited)
+        if write:
+            main_s = time.perf_counter() - start - waited
+            self._pending = self._writer.submit(self._write, pending, main_s + waited)
 
     def _join(self) -> float:
         """Waits for the write in flight; returns the seconds waited (a failed write only loses its snapshot)."""
@@ -232,7 +255,22 @@ class Snapshots(snapshot_interval.Interval):
     def _write(self, pending: _Pending, main_s: float) -> None:
         cpu = time.thread_time()
         clock = _Clock(self.phases)
-        hosts = [np.asarray(b) for b in pending.buffers]  # waits for the copies; a view, no copy, on CPU
+        self._write_file(pending, WRITING, clock)
+        complete = self.steps()
+        for old in complete[KEEP:]:
+            if (self.folder / f"{old}{SUFFIX}").is_dir():  # a directory in a snapshot's place: never a spare
+                _remove(self.folder / f"{old}{SUFFIX}")
+                continue
+            os.replace(self.folder / f"{old}{SUFFIX}", self.folder / SPARE)
+        clock("rename")
+        self.taken += 1
+        self._measured(main_s + time.thread_time() - cpu)
+
+    def _write_file(self, pending: _Pending, temporary: str, clock: _Clock, hosts: list | None = None) -> None:
+        """Writes ``pending`` into ``temporary`` (the pages of ``SPARE`` reused, for ``WRITING``), renamed to its
+        step's name once complete. ``hosts``: its buffers on the host, when read already."""
+        if hosts is None:
+            hosts = [snapshot_format.joined(b) for b in pending.buffers]  # waits; on CPU, a view of pack's
         clock("copy wait")
         if callable(pending.header["extra"]):  # an extra state to read now (Checkpointer.maybe_save)
             pending.header["extra"] = pending.header["extra"]()
@@ -246,9 +284,9 @@ class Snapshots(snapshot_interval.Interval):
         clock("json")
         start = snapshot_format.HEADER_LENGTH.size + len(text)
         total = start + sum(h.nbytes for h in hosts)
-        target = self.folder / WRITING
+        target = self.folder / temporary
         spare = self.folder / SPARE
-        if spare.exists():
+        if temporary == WRITING and spare.exists():
             os.replace(spare, target)  # the oldest snapshot's pages, overwritten in place
         fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -263,15 +301,21 @@ class Snapshots(snapshot_interval.Interval):
             os.close(fd)
         clock("write")
         os.replace(target, self.folder / f"{pending.step}{SUFFIX}")
-        complete = self.steps()
-        for old in complete[KEEP:]:
-            if (self.folder / f"{old}{SUFFIX}").is_dir():  # a directory in a snapshot's place: never a spare
-                _remove(self.folder / f"{old}{SUFFIX}")
+
+    def write_kept(self) -> int | None:
+        """Writes the newest kept step whose copy is complete and holds no error, when newer than every complete
+        snapshot here (see ``jddp.checkpoint.snapshot_kept``); returns its step, None when there is none. Called by
+        the survivors of a failure as they are ended (``jddp.runtime.flush``), from any thread, while the main
+        thread may be blocked in a collective or still running."""
+        newest = max(self.steps(), default=-1)
+        for pending in self.kept.complete(newest, wait_s=snapshot_kept.FLUSH_WAIT_S):
+            try:
+                hosts = [snapshot_format.joined(b) for b in pending.buffers]
+            except Exception:  # a step that failed (its collective's peer gone): its copy holds the error
                 continue
-            os.replace(self.folder / f"{old}{SUFFIX}", spare)
-        clock("rename")
-        self.taken += 1
-        self._measured(main_s + time.thread_time() - cpu)
+            self._write_file(pending, FLUSHING, _Clock(None), hosts)
+            return pending.step
+        return None
 
     def wait(self) -> None:
         self._join()
@@ -356,6 +400,7 @@ class Snapshots(snapshot_interval.Interval):
         if self.closed:
             return
         self.closed = True
+        flush.forget(self.write_kept)
         self._join()
         self._writer.shutdown()
         if remove:

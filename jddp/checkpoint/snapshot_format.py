@@ -54,6 +54,22 @@ def pack(shards: list[jax.Array]) -> jax.Array:
     return jnp.concatenate([_as_bytes(x) for x in shards]) if shards else jnp.zeros((0,), jnp.uint8)
 
 
+@jax.jit
+def copies(shards: list[jax.Array]) -> list[jax.Array]:
+    """``pack``'s bytes, one buffer per shard: ``joined`` on the host makes them ``pack``'s buffer. A step's copy
+    kept in case it is written (``jddp.checkpoint.snapshot_kept``): XLA:CPU's concatenation of ``pack`` takes about
+    3 times as long (MNIST-1D MLP's 0.95 MB: 0.58 ms against 0.20 ms, waited for, 2-core VM, 29 Nov 2026)."""
+    return [_as_bytes(x) for x in shards]
+
+
+def joined(buffer: jax.Array | list[jax.Array]) -> np.ndarray:
+    """A device's buffer on the host as one uint8 array: ``pack``'s as it is (a view on CPU), ``copies``' joined."""
+    if not isinstance(buffer, list):
+        return np.asarray(buffer)
+    parts = [np.asarray(b) for b in buffer]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
 @dataclasses.dataclass
 class Layout:
     """Which local shards a state's snapshot holds, and where: computed once per state structure and shardings."""

@@ -42,7 +42,15 @@ def from_memory(
     row[0] = -1 if newest_disk is None else newest_disk
     row[1 : 1 + len(mine)] = mine
     rows = _gathered(row)
-    for step in snapshot.choose(rows):
+    common = snapshot.choose(rows)
+    newest = snapshot.newest_held(rows) if jax.process_count() > 1 else None
+    from_peer = newest is not None and newest[0] > (common[0] if common else -1)
+    if from_peer and common:
+        # the survivors of a failure wrote a newer step than every process holds (their kept step: snapshot_kept)
+        restored = from_a_peer(snaps, state, fingerprint, rows, run, loader, then="trying an older snapshot")
+        if restored is not None:
+            return restored, "peer"
+    for step in common:
         assert snaps is not None  # every process holds the step
         try:
             tree, loader_state, extra_state = snaps.load(step, restore.as_dict(state), fingerprint)
@@ -59,7 +67,7 @@ def from_memory(
             f"The in-memory snapshot of step {step} cannot be used ({reason or 'not on another process'}); "
             "trying an older one, then the checkpoints on disk."
         )
-    restored = from_a_peer(snaps, state, fingerprint, rows, run, loader)
+    restored = None if from_peer and common else from_a_peer(snaps, state, fingerprint, rows, run, loader)
     return None if restored is None else (restored, "peer")
 
 
@@ -70,14 +78,17 @@ def from_a_peer(
     rows: np.ndarray,
     run: str | None,
     loader=None,
+    then: str = "restoring from the checkpoints on disk",
 ) -> Restored | None:
-    """When no step is held by every process (a process whose host's memory was lost, a replaced host): the
-    newest step some process holds, not older than the disk's, sent to every process from the first that
-    holds it. Each process of a data-parallel run holds every leaf whole, so any process is every other's
-    buddy, at no cost while training; a state split over the processes (ZeRO-1) is restored from disk.
+    """When no step is held by every process (a process whose host's memory was lost, a replaced host), or a
+    newer one is held by some (the survivors of a failure wrote their kept step): the newest step some process
+    holds, not older than the disk's, sent to every process from the first that holds it. Each process of a
+    data-parallel run holds every leaf whole, so any process is every other's buddy, at no cost while training; a
+    state split over the processes (ZeRO-1) is restored from disk.
 
     Args:
       rows: ``from_memory``'s gathered rows (``snapshot.choose``'s argument).
+      then: what follows when it cannot be used, for the warning.
     """
     found = snapshot.newest_held(rows) if jax.process_count() > 1 else None
     other: Path | None = None  # the file of another process count's snapshot, on the holder
@@ -90,7 +101,7 @@ def from_a_peer(
     if blob is None:
         _warn(
             f"The in-memory snapshot of step {step} on process {holder} cannot be sent to the processes that "
-            f"lack one ({reason or 'see that process'}); restoring from the checkpoints on disk."
+            f"lack one ({reason or 'see that process'}); {then}."
         )
         return None
     try:
@@ -103,7 +114,7 @@ def from_a_peer(
     if not preemption.all_agree(reason is None):
         _warn(
             f"The in-memory snapshot of step {step} sent by process {holder} cannot be used "
-            f"({reason or 'on another process'}); restoring from the checkpoints on disk."
+            f"({reason or 'on another process'}); {then}."
         )
         return None
     if snaps is not None:

@@ -38,6 +38,7 @@ class Dispatcher:
     def __init__(self) -> None:
         self._pending: collections.deque[tuple[Any, str]] = collections.deque()
         self._program: object | None = None
+        self.ahead = 2  # the largest max_inflight asked for so far: outputs not yet known complete
         # The programs called before (a first call compiles, and in a group meets), held weakly: an id could be
         # reused by another program after a collection, on one process and not another, and every process must
         # agree on which call is a first one.
@@ -45,6 +46,7 @@ class Dispatcher:
 
     def before(self, program: object, max_inflight: int) -> None:
         """Waits as needed before ``program`` is dispatched."""
+        self.ahead = max(self.ahead, max_inflight)
         if program is not self._program:
             self.drain()
             self._program = program
@@ -92,6 +94,15 @@ class Dispatcher:
         p = progress.PROGRESS
         p.programs += 1
         p.last_done = label
+
+    def unfinished(self) -> int:
+        """The calls dispatched and not known complete: from the oldest pending one whose outputs are not all ready
+        (the devices finish a program's calls in order), without waiting."""
+        pending = list(self._pending)
+        for i, (outputs, _) in enumerate(pending):
+            if not all(x.is_ready() for x in jax.tree.leaves(outputs) if hasattr(x, "is_ready")):
+                return len(pending) - i
+        return 0
 
     def in_flight(self) -> list[str]:
         """The labels of the programs dispatched and not yet waited for (another thread may call it: ``list`` of a

@@ -51,6 +51,7 @@ FLUSH_SIGNAL = signal.SIGUSR2  # what jddp.cli.launch sends before SIGKILL (jddp
 EXIT_CODE = 128 + FLUSH_SIGNAL  # how a process ends after it flushed
 
 _registered: list[Callable[[], Any]] = []
+_last: list[Callable[[], Any]] = []  # jddp's own writes of state (at_flush), after every stream is flushed
 _exiting = threading.Lock()  # taken once, by whichever of the handler and the thread flushes first
 _installed = False
 
@@ -80,9 +81,21 @@ def register_flush(f: IO[Any] | Callable[[], Any]) -> None:
     _registered.append(f)
 
 
+def at_flush(write: Callable[[], Any]) -> None:
+    """jddp's own: ``write`` runs at the flush, after every stream (``jddp.checkpoint.snapshot``'s kept step: a
+    state's write takes longer than a line's, and the lines come first); ``forget`` removes it."""
+    _last.append(write)
+
+
+def forget(write: Callable[[], Any]) -> None:
+    """Removes what ``at_flush`` was given (a closed ``Checkpointer``'s)."""
+    with contextlib.suppress(ValueError):
+        _last.remove(write)
+
+
 def flush_all() -> None:
     """Flushes what ``register_flush`` was given (newest first), ``logging``'s handlers, ``sys.stdout`` and
-    ``sys.stderr``; an error in one is ignored, the others still run."""
+    ``sys.stderr``, then runs jddp's own writes (``at_flush``); an error in one is ignored, the others still run."""
     for flush in reversed(_registered):
         with contextlib.suppress(Exception):
             flush()
@@ -92,6 +105,9 @@ def flush_all() -> None:
         with contextlib.suppress(Exception):
             if stream is not None:
                 stream.flush()
+    for write in list(_last):
+        with contextlib.suppress(Exception):
+            write()
 
 
 def _flush_and_exit() -> None:

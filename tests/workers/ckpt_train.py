@@ -14,6 +14,8 @@ PREEMPTION_CHECK_S sets the Checkpointer's ``preemption_check_s`` (default 1).
 RAISE_AT=step makes process 0
 raise right after that step's ``maybe_save`` in attempt 0 (an unhandled exception while its async save is written).
 KILL_HOST_AT=step makes process 1 SIGKILL its launcher and itself after that step in attempt 0 (a lost host).
+SNAPSHOT_EVERY sets the steps between in-memory snapshots (default 1); SNAPSHOTS_EVERY_PROCESS=1 makes every
+process write its own (as under a launcher other than jddp launch: no $JDDP_LOCAL_RANK).
 KILL_ONCE=step:path makes process 1 wait after that step in attempt 0 until the file path exists (the test writes it
 when the launcher says its standby processes are ready), then SIGKILL itself.
 KILL_LAUNCHER_AT=step makes process 0 SIGKILL its parent (``jddp launch``) after that step, then go on; every
@@ -61,6 +63,8 @@ def loss_fn(params, model_state, batch, key):
     return loss, (model_state, {})
 
 
+if os.environ.get("SNAPSHOTS_EVERY_PROCESS"):
+    os.environ.pop("JDDP_LOCAL_RANK", None)
 init = np.random.default_rng(1)
 params = {
     "w1": init.normal(size=(16, 32)).astype(np.float32) * 0.3,
@@ -76,7 +80,8 @@ ckpt = jddp.Checkpointer(
     max_to_keep=2,
     config={"lr": 1e-2},
     preemption_check_s=float(os.environ.get("PREEMPTION_CHECK_S", "1")),
-    snapshot_every=1,  # deterministic: every step (the default is sized by its measured cost)
+    # deterministic: every step by default (the default is sized by its measured cost)
+    snapshot_every=int(os.environ.get("SNAPSHOT_EVERY", "1")),
 )
 state, loader = ckpt.restore_or_init(state, loader)
 step = int(state.step)
@@ -100,6 +105,7 @@ while step < steps:
         if attempt < len(kills) and step == kills[attempt] and jax.process_index() == killer:
             os.kill(os.getpid(), signal.SIGKILL)
         if kill_once and step == int(kill_once[0]) and jax.process_index() == killer and attempt == 0:
+            jax.block_until_ready(state)  # the group completed the step: its peers hold it (snapshot_kept)
             while not os.path.exists(kill_once[1]):
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
