@@ -47,7 +47,11 @@ with the goodput over the span that includes it; ``fit`` ends before it.
 * ``recomputed_s``: steps this attempt took that the next one took again
   after restoring an older checkpoint (``recomputed_steps`` of them), at this
   attempt's mean time per step; moved out of ``step_s`` and ``data_wait_s``.
-  A step counts as taken once ``dp.step`` returned for it.
+  A step counts as taken once it is known complete: at each step, the newest
+  one whose outputs were ready (``dispatch.Dispatcher.unfinished``); a step
+  still running on the devices when the failure came produced nothing. The
+  count may lag the devices by up to ``max_inflight`` steps completed after
+  the attempt's last step.
 * ``lost_s``: from the attempt's last step to its end, for an attempt that
   did not finish: the work since the last step, noticing the failure, and
   stopping the group. Its end is the launcher's (``$JDDP_PREVIOUS_END``, the

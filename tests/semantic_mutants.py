@@ -631,13 +631,42 @@ MUTANTS: tuple[Mutant, ...] = (
         "leaves a torn file under a step's name",
         (
             _p(
-                "jddp.checkpoint.snapshot:Snapshots._write",
-                ("    target = self.folder / WRITING\n", '    target = self.folder / f"{pending.step}{SUFFIX}"\n'),
+                "jddp.checkpoint.snapshot:Snapshots._write_file",
+                ("    target = self.folder / temporary\n", '    target = self.folder / f"{pending.step}{SUFFIX}"\n'),
             ),
         ),
         (
             "tests/test_snapshot.py::test_a_kill_at_any_point_of_a_write_leaves_the_complete_snapshots_and_no_torn_one",
             "tests/test_snapshot.py::test_a_real_sigkill_during_writes_leaves_complete_snapshots_only",
+        ),
+    ),
+    Mutant(
+        "kept_step_not_written_at_the_flush",
+        CKPT,
+        "When ``jddp launch`` ends the survivors of a failure, each writes the newest kept step that completed as a "
+        "snapshot, and the restart restores it from that peer",
+        "the survivors write nothing as they are ended: the restart restores the last snapshot or checkpoint, and "
+        "the steps since are recomputed",
+        (
+            _p(
+                "jddp.checkpoint.snapshot:Snapshots.write_kept",
+                ("    newest = max(self.steps(), default=-1)\n", "    return None\n"),
+            ),
+        ),
+        (
+            "tests/test_snapshot_kept.py::test_a_process_killed_between_snapshots_is_resumed_at_its_last_step_from_a_"
+            "survivors_kept_step",
+        ),
+    ),
+    Mutant(
+        "kept_step_behind_a_step_every_process_holds",
+        CKPT,
+        "The restore takes a step some process holds before an older one every process holds.",
+        "the restore takes the newest step every process holds first: a survivor's newer kept step is ignored",
+        (_p("jddp.checkpoint.snapshot_restore:from_memory", ("    if from_peer and common:", "    if False:")),),
+        (
+            "tests/test_snapshot_kept.py::test_a_process_killed_between_snapshots_is_resumed_at_its_last_step_from_a_"
+            "survivors_kept_step",
         ),
     ),
     Mutant(

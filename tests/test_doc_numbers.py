@@ -54,6 +54,7 @@ DEFINITIONS: tuple[tuple[str, str, str], ...] = (
     ("docs/concepts.md", "at least 60 s and at most 30 min", "the stall bound's floor and ceiling, settings"),
     ("docs/glossary.md", "leaves up to 1 MiB", "the fused all-reduce's threshold, a constant of jddp/engine/fused.py"),
     ("docs/guides/launch.md", "up to 16 MiB", "the host collectives' size limit, a constant"),
+    ("docs/guides/launch.md", "at most 0.25 s for a copy", "the flush's wait for kept copies, a constant"),
     ("docs/guides/launch.md", "`timeout_s`, 300 s", "the host collectives' default time limit"),
     ("docs/guides/launch.md", "peer timeout plus 15 s", "a bound the launcher sets"),
     ("docs/guides/launch.md", "up to 30 s, rather than", "the launcher's wait for a preparing generation, a constant"),

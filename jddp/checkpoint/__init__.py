@@ -128,6 +128,15 @@ Guarantees:
   written); of a state split by ZeRO-1, every process keeps its own part.
   ``snapshots=False`` or ``JDDP_SNAPSHOTS=0``
   turns them off; closing after the run removes them, an error keeps them.
+* **Kept steps: no completed step recomputed.** In a group, with snapshots on
+  and a state of whole leaves, ``maybe_save`` also keeps a copy of every
+  step's state on the devices (the newest ``max_inflight + 1``: a copy no
+  later step donates), where they fit (``JDDP_KEEP_STEPS``: ``auto``, ``on``,
+  ``off``; ``jddp.checkpoint.snapshot_kept``). When ``jddp launch`` ends the
+  survivors of a failure, each writes the newest kept step that completed
+  as a snapshot, and the restart restores it from that peer: the steps
+  between snapshots are not recomputed. The restore takes a step some
+  process holds before an older one every process holds.
 * **Any topology.** The state is restored into the shardings of the ``state``
   passed to ``restore_or_init`` (Orbax reshards), and the loader continues the
   same global batch sequence on any process count.

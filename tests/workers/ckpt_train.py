@@ -40,6 +40,9 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from jddp.checkpoint import preemption  # noqa: E402
+from tests import semantic_mutants  # noqa: E402
+
+semantic_mutants.apply_from_env()  # a test's mutant, in this process too
 
 out, steps = sys.argv[1], int(sys.argv[2])
 kills = [int(k) for k in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else []
