@@ -136,6 +136,7 @@ class Loop:
             state = self.run_to_end(state)
         except SystemExit as stop:
             if stop.code == exitcodes.EXIT_PREEMPTED:
+                self.out.completed(self.step)  # saved, so complete
                 self.out.say(f"fit: preempted; saved step {self.step}, exiting with {stop.code}. Run again to resume.")
             raise
         finally:  # also on preemption (SystemExit) and errors: what was logged stays on disk
@@ -256,6 +257,7 @@ class Loop:
         if self.eval_due():
             self.evaluate(state)
         self.check_and_save(state)
+        self.out.completed(self.step - dispatch.DISPATCHER.unfinished())  # again: this step's work may have waited
         return state
 
     def log_train(self, *, epoch_end: bool) -> None:

@@ -91,6 +91,11 @@ class Outputs:
         if self.bar is not None:
             self.bar.update(1)
 
+    def completed(self, step: int) -> None:
+        """The newest step known complete, later in a step than ``stepped`` (the ledger's ``last_step``)."""
+        if self.ledger is not None:
+            self.ledger["last_step"] = step
+
     def end_attempt(self, step: int, steps_run: int, times: dict[str, float], at: dict) -> None:
         """``fit`` is done: the ledger's end, this attempt's account and the run's total (process 0)."""
         if self.ledger is not None:
