@@ -91,35 +91,6 @@ def test_steps_are_kept_in_a_group_for_a_whole_state_unless_turned_off(monkeypat
     assert kept.depth == (dispatch.DISPATCHER.ahead + 1 if wanted else 0)
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    setting=st.sampled_from(["auto", "on"]),
-    main_s=st.one_of(st.none(), st.floats(0, 0.01)),
-    copy_s=st.one_of(st.none(), st.floats(0, 0.1)),
-    step_s=st.one_of(st.none(), st.floats(1e-4, 10)),
-    budget=st.sampled_from([None, 0.01, 0.05]),
-)
-def test_auto_keeps_a_step_every_k_so_that_the_copies_cost_stays_within_the_budget(
-    setting, main_s, copy_s, step_s, budget
-):
-    """``on``: every step. ``auto``: the fewest steps between copies that keep their measured cost (the main
-    thread's and the devices') within the budget of the step time; every step until both are measured. No step is
-    kept while ``depth`` is 0."""
-    kept = snapshot_kept.Kept(2, budget)
-    kept.setting, kept.main_s, kept.copy_s = setting, main_s, copy_s
-    k = kept.every(step_s)
-    assert 1 <= k <= snapshot_kept.MAX_EVERY
-    if setting == "on" or None in (main_s, copy_s, step_s, budget):
-        assert k == 1
-    else:
-        cost, allowed = main_s + copy_s, budget * step_s
-        assert k == snapshot_kept.MAX_EVERY or cost <= k * allowed * (1 + 1e-9)
-        assert k == 1 or cost > (k - 1) * allowed
-    assert not kept.wants(0, step_s)  # depth 0
-    kept.depth = 3
-    assert [s for s in range(1, 3 * k + 1) if kept.wants(s, step_s)] == [k, 2 * k, 3 * k]
-
-
 @pytest.mark.parametrize("newer_than", [-1, 9, 10, 11, 12])
 @pytest.mark.parametrize("ready", list(itertools.product((False, True), repeat=3)))
 def test_the_kept_steps_a_flush_may_write_are_the_complete_ones_newer_than_the_snapshots(ready, newer_than):
@@ -184,7 +155,7 @@ def test_a_kept_step_outlives_the_donation_of_its_buffers_and_the_flush_writes_t
     for step in range(1, 4):
         state = advance(state)
         off.take(step, state, None, None, write=False)
-    assert not off.keeps(4) and off.write_kept() is None and off.steps() == []
+    assert not off.keeps and off.write_kept() is None and off.steps() == []
     off.close(remove=True)
 
 
@@ -313,7 +284,6 @@ def test_a_process_killed_between_snapshots_is_resumed_at_its_last_step_from_a_s
     from tests.test_checkpoint import assert_same_run, launch_killed_once_when
 
     env = {"SNAPSHOT_EVERY": "1000"} if writers == "one per host" else {"SNAPSHOT_EVERY": "4"}
-    env["JDDP_KEEP_STEPS"] = "on"  # every step (auto sizes the steps between copies by their cost)
     if writers == "every process":
         env["SNAPSHOTS_EVERY_PROCESS"] = "1"
     code, out, said = launch_killed_once_when(tmp_path, lambda line: True, env=env)

@@ -189,7 +189,7 @@ class Saving(lifecycle.Lifecycle):
             if snaps is not None:
                 snaps.disturbed(step)  # the save's time is not the snapshots' cost
         write = snaps is not None and step % self._preemption.snapshot_every == 0
-        if snaps is not None and (write or snaps.keeps(step)):  # a step's copy, kept (snapshot_kept)
+        if snaps is not None and (write or snaps.keeps):  # keeps: every step's copy, kept (snapshot_kept)
             # An `extra` with get_state_later (jddp.fit's running means) is read by the writer: its get_state would
             # wait for this step's metrics, and the loop would no longer run ahead of the devices.
             later = getattr(extra, "get_state_later", None)

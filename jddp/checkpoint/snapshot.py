@@ -162,15 +162,14 @@ class Snapshots(snapshot_interval.Interval):
         self.failed = 0
         self.closed = False
         self.phases: dict[str, list[tuple[float, float]]] | None = None  # set: each snapshot's phases timed
-        self._kept_once = False  # a copy only kept was made (its program compiled)
-        self.kept = snapshot_kept.Kept(self.processes, budget)  # the newest steps' copies, for write_kept
+        self.kept = snapshot_kept.Kept(self.processes)  # the newest steps' copies, for write_kept
         flush.at_flush(self.write_kept)
 
     # -------------------------------------------------------------- taking
-    def keeps(self, step: int) -> bool:
-        """Whether ``step``'s copy is kept (``take(..., write=False)``): decided by the first state's layout, then
-        by the copies' cost (``snapshot_kept.Kept.every``)."""
-        return self.kept.wants(step, self._step_s) or not self._layouts
+    @property
+    def keeps(self) -> bool:
+        """Whether every step's copy is kept (``take(..., write=False)``): decided by the first state's layout."""
+        return self.kept.depth > 0 or not self._layouts
 
     def take(self, step: int, tree: dict, loader_state: Any, extra_state: Any, *, write: bool = True) -> None:
         """Starts a snapshot of ``tree`` (the state's arrays by field) at ``step``; returns once the copy is
@@ -196,7 +195,6 @@ class Snapshots(snapshot_interval.Interval):
         if write:
             self._started(step)
         buffers = []
-        measured = False  # the devices' copy timed in this call (snapshot_kept.Kept.measure_copy)
         for picks in layout.picks:
             parts = []
             for i, position, key in picks:
@@ -204,9 +202,6 @@ class Snapshots(snapshot_interval.Interval):
                 parts.append(jax.random.key_data(data) if key else data)
             clock("shards")
             if not write:  # only kept: one buffer per shard, joined on the host if the flush writes it
-                if self.kept.copy_s is None and self._kept_once:
-                    self.kept.measure_copy(snapshot_format.copies, parts)
-                    measured = True
                 buffers.append(snapshot_format.copies(parts))
                 clock("dispatch")
                 continue
@@ -232,10 +227,6 @@ class Snapshots(snapshot_interval.Interval):
         pending = _Pending(step, buffers, header, layout)
         if keep:
             self.kept.add(pending)
-            if not write:
-                if self._kept_once and not measured:  # the first compiles the copy program; measured waits
-                    self.kept.note_keep(time.perf_counter() - start)
-                self._kept_once = True
         clock("header")
         if write:
             main_s = time.perf_counter() - start - waited

@@ -18,10 +18,8 @@ failed step's copy holds the step's error), when newer than its snapshots, as a 
 
 Kept only for a state of whole (replicated) leaves in a group of processes: of a split state (ZeRO-1) the dead
 process's part is lost with it; a process alone has no survivor. The cost: ``depth`` copies of the state in each
-device's memory, and one copy program per local device per kept step. ``$JDDP_KEEP_STEPS`` decides: ``auto`` (the
-default) keeps them where they fit (``fits``), every k steps, k sized so that their measured cost stays within the
-snapshots' budget of the step time (``Kept.every``: up to k - 1 completed steps recomputed); ``on`` at every step
-wherever the state is whole; ``off`` never.
+device's memory, and one copy program per local device per step. ``$JDDP_KEEP_STEPS`` decides: ``auto`` (the
+default) keeps them where they fit (``fits``), ``on`` always, ``off`` never.
 
 Example:
   >>> fits(depth=3, state_bytes=4_000_000, memory={"bytes_limit": 80 << 30, "peak_bytes_in_use": 60 << 30})
@@ -32,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -48,7 +45,6 @@ HOST_SHARE = 0.25  # of the host memory available, what the kept copies of CPU d
 # How long the flush waits for kept copies not yet complete before it writes an older one: a step complete whose
 # copy has yet to run (a loaded host), against a step that never completes (a collective hung, without an error).
 FLUSH_WAIT_S = 0.25
-MAX_EVERY = 1000  # the most steps between kept copies
 
 
 def fits(depth: int, state_bytes: int, memory: dict[str, int] | None, available_host: int | None = None) -> bool:
@@ -73,39 +69,12 @@ class Kept:
     """One process's kept steps (``Snapshots.kept``): ``depth`` is 0 until a state's layout shows they are wanted
     (``fit``). Entries are ``snapshot._Pending``: the step, its buffers, its header and layout."""
 
-    def __init__(self, processes: int, budget: float | None = None) -> None:
+    def __init__(self, processes: int) -> None:
         self.setting: str = envvars.get("JDDP_KEEP_STEPS")
         self.processes = processes
-        self.budget = budget  # of the step time the copies may take (auto); None: every step
         self.depth = 0
-        self.main_s: float | None = None  # a keep's time on the main thread, averaged
-        self.copy_s: float | None = None  # one copy of the state on the devices, waited for (measure_copy)
         self._entries: list[Any] = []
         self._lock = threading.Lock()  # add (main thread) against complete (the flush thread)
-
-    def every(self, step_s: float | None) -> int:
-        """The steps between kept copies: 1 when ``on``; under ``auto``, enough that the copies' measured cost (the
-        main thread's and the devices') stays within ``budget`` of ``step_s``, the wall time of a step (1 until
-        both are measured)."""
-        if self.setting == "on" or self.budget is None or not step_s or self.main_s is None or self.copy_s is None:
-            return 1
-        return int(min(max(math.ceil((self.main_s + self.copy_s) / (self.budget * step_s)), 1), MAX_EVERY))
-
-    def wants(self, step: int, step_s: float | None) -> bool:
-        """Whether ``step``'s copy is kept."""
-        return self.depth > 0 and step % self.every(step_s) == 0
-
-    def note_keep(self, seconds: float) -> None:
-        """A keep's time on the main thread."""
-        self.main_s = seconds if self.main_s is None else 0.8 * self.main_s + 0.2 * seconds
-
-    def measure_copy(self, copy, parts: list) -> None:
-        """Times ``copy(parts)`` on data complete already, waited for: the devices' part of a keep's cost (once per
-        layout, the first time its copy is compiled already)."""
-        jax.block_until_ready([parts, copy(parts)])  # compiled, for shapes new to it
-        start = time.perf_counter()
-        jax.block_until_ready(copy(parts))
-        self.copy_s = time.perf_counter() - start
 
     def fit(self, layout, leaves: list[jax.Array]) -> None:
         """Decides ``depth`` for a state of this ``layout`` (a new one after a change of structure or sharding)."""
@@ -122,7 +91,6 @@ class Kept:
             if host is not None and not memory:  # CPU devices: all of this process's share host memory
                 host //= max(1, len(layout.picks))
             self.depth = depth if fits(depth, state_bytes, memory, host) else 0
-        self.main_s = self.copy_s = None  # another state: measured again
         with self._lock:
             self._entries.clear()
 
