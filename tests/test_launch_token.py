@@ -31,7 +31,9 @@ def test_a_report_or_a_join_with_another_token_is_refused_and_named():
         deadline = time.monotonic() + 30  # the server names a refusal in its own thread, after the client has read it
         while len(said) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(said) == 2 and all("refused a connection from 127.0.0.1:" in s for s in said), said
+        # two refusals at least: a client that could not read its refusal (the server closed first, a reset on a
+        # loaded host) connects again and is refused again
+        assert len(said) >= 2 and all("refused a connection from 127.0.0.1:" in s for s in said), said
         assert reports.send(to, reports.Report(1, 0, 3, "process 1 exited with code 3"), TOKEN)
         assert [r.code for r in server.reports(0)] == [3]
     finally:
