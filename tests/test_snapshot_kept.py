@@ -91,6 +91,22 @@ def test_steps_are_kept_in_a_group_for_a_whole_state_unless_turned_off(monkeypat
     assert kept.depth == (dispatch.DISPATCHER.ahead + 1 if wanted else 0)
 
 
+@pytest.mark.parametrize(("free", "kept"), [(40 << 30, True), (6 << 20, True), (5 << 20, False), (0, False)])
+def test_on_an_accelerator_auto_keeps_steps_only_within_its_memory_headroom(monkeypatch, free, kept):
+    """A faked GPU's memory figures (CPU devices have none): an 80 GiB device keeps 3 copies of a 1 MB state when
+    its peak use left at least twice their 3 MB free, and not otherwise, however much host memory there is."""
+    monkeypatch.setenv("JDDP_KEEP_STEPS", "auto")
+    monkeypatch.setattr(dispatch.DISPATCHER, "ahead", 2)  # 3 copies
+    limit = 80 << 30
+    gpu = {"bytes_limit": limit, "peak_bytes_in_use": limit - free, "bytes_in_use": 1 << 30}
+    monkeypatch.setattr(snapshot_kept, "_memory", lambda leaves: gpu)
+    monkeypatch.setattr(snapshot_kept, "_available_host", lambda: 1 << 50)
+    state = {"w": jax.device_put(np.zeros(1 << 18, np.float32), jax.devices()[0])}  # 1 MiB
+    keeping = snapshot_kept.Kept(2)
+    keeping.fit(snapshot_format.shard_layout(state), jax.tree.leaves(state))
+    assert (keeping.depth > 0) is kept
+
+
 @pytest.mark.parametrize("newer_than", [-1, 9, 10, 11, 12])
 @pytest.mark.parametrize("ready", list(itertools.product((False, True), repeat=3)))
 def test_the_kept_steps_a_flush_may_write_are_the_complete_ones_newer_than_the_snapshots(ready, newer_than):

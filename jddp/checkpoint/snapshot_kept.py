@@ -7,8 +7,9 @@ to that many. Yet when one process of a group dies, its peers have completed the
 the next step's collective waits for the dead one, or fails (gloo: "Connection reset by peer"). Only their state of
 that step is gone: the next step donated its buffers.
 
-So at each step ``Checkpointer.maybe_save`` dispatches the copy a snapshot takes (``snapshot_format.pack``: one
-buffer per local device that no later step donates) and keeps the newest ``depth`` of them: the main thread runs up
+So at each step ``Checkpointer.maybe_save`` dispatches a copy of the state's bytes (``snapshot_format.copies``: one
+buffer per shard that no later step donates, joined on the host into a snapshot's buffer only if it is written) and
+keeps the newest ``depth`` of them: the main thread runs up
 to ``max_inflight`` steps ahead of the devices (``jddp.runtime.dispatch``), so ``max_inflight + 1`` kept steps
 always include the newest one the devices completed. When ``jddp launch`` ends the survivors for a restart
 (``jddp.runtime.flush``'s signal), each writes the newest kept step whose copy is complete and holds no error (a
@@ -58,6 +59,12 @@ def fits(depth: int, state_bytes: int, memory: dict[str, int] | None, available_
     return available_host is not None and need <= HOST_SHARE * available_host
 
 
+def _memory(leaves: list[jax.Array]) -> dict[str, int] | None:
+    """The memory figures of the state's first device (``Device.memory_stats``: GPU and TPU; None on CPU)."""
+    device = next(iter(leaves[0].sharding.addressable_devices)) if leaves else None
+    return device.memory_stats() if device is not None else None
+
+
 def _available_host() -> int | None:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -85,10 +92,9 @@ class Kept:
             self.depth = depth
         else:
             state_bytes = sum(int(x.nbytes) for x in leaves)  # whole leaves: each device holds them all
-            device = next(iter(leaves[0].sharding.addressable_devices)) if leaves else None
-            memory = device.memory_stats() if device is not None else None
+            memory = _memory(leaves)
             host = _available_host()
-            if host is not None and not memory:  # CPU devices: all of this process's share host memory
+            if host is not None and not memory:  # CPU devices: the copies of every device a snapshot reads share it
                 host //= max(1, len(layout.picks))
             self.depth = depth if fits(depth, state_bytes, memory, host) else 0
         with self._lock:
